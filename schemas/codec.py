@@ -1,0 +1,144 @@
+"""Decoding requests and encoding replies; encoders and decoders are built once."""
+
+from __future__ import annotations
+
+import msgspec
+
+from schemas.limits import Limits
+from schemas.wire import Envelope, ErrorCode, Reply, Request, RequestId, TopicName
+
+CONTENT_TYPE = "content-type"
+JSON = "application/json"
+MSGPACK = "application/msgpack"
+
+_id_ok = msgspec.json.Decoder(RequestId)
+_topic_ok = msgspec.json.Decoder(TopicName)
+
+
+class BadRequest(Exception):
+    """A record that cannot be served. `id`/`reply_to` are set when readable."""
+
+    def __init__(self, code: ErrorCode, message: str, id: str | None = None, reply_to: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.id = id
+        self.reply_to = reply_to
+
+
+def _valid(decoder: msgspec.json.Decoder, value) -> str | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        return decoder.decode(msgspec.json.encode(value))
+    except msgspec.ValidationError:
+        return None
+
+
+def _content_type(headers) -> str:
+    for key, value in headers or ():
+        if key.lower() == CONTENT_TYPE:
+            return value.decode("latin-1").split(";")[0].strip().lower()
+    return JSON
+
+
+class RequestCodec:
+    """Bytes + headers -> a validated `Request`, or `BadRequest` naming what is wrong."""
+
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self._json = msgspec.json.Decoder(Request)
+        self._msgpack = msgspec.msgpack.Decoder(Request)
+        self._json_envelope = msgspec.json.Decoder(Envelope)
+        self._msgpack_envelope = msgspec.msgpack.Decoder(Envelope)
+
+    def decode(self, value: bytes | None, headers=(), key: bytes | None = None) -> Request:
+        content_type = _content_type(headers)
+        if value is None:
+            raise self._bad(ErrorCode.INVALID_REQUEST, "record has no value", None, content_type, key)
+        if len(value) > self.limits.max_record_bytes:
+            raise self._bad(
+                ErrorCode.PAYLOAD_TOO_LARGE,
+                f"record is {len(value)} bytes; the limit is {self.limits.max_record_bytes}",
+                value, content_type, key,
+            )
+        if content_type == JSON:
+            decoder = self._json
+        elif content_type == MSGPACK:
+            decoder = self._msgpack
+        else:
+            raise self._bad(ErrorCode.INVALID_REQUEST, f"unsupported content-type {content_type!r}", value, JSON, key)
+        try:
+            request = decoder.decode(value)
+        except msgspec.ValidationError as exc:
+            raise self._bad(ErrorCode.INVALID_REQUEST, f"invalid request: {exc}", value, content_type, key) from None
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            raise self._bad(ErrorCode.INVALID_REQUEST, f"undecodable {content_type}: {exc}", value, content_type, key) from None
+        problem = self.check(request)
+        if problem is not None:
+            code, message = problem
+            raise BadRequest(code, message, request.id, request.reply_to)
+        return request
+
+    def check(self, r: Request) -> tuple[ErrorCode, str] | None:
+        """Semantic rules and tunable limits, in the order a producer would fix them."""
+        lim = self.limits
+        bad = ErrorCode.INVALID_REQUEST
+        if r.kind == "generate":
+            if (r.prompt is None) == (r.messages is None):
+                return bad, "generate needs exactly one of `prompt` or `messages`"
+            if r.messages is not None and not r.messages:
+                return bad, "`messages` is empty"
+        elif r.kind == "score":
+            return bad, "kind `score` is not served by this worker version"
+        if r.max_tokens is not None and (r.max_tokens < 1 or r.max_tokens > lim.max_tokens):
+            return bad, f"`max_tokens` must be 1..{lim.max_tokens}, got {r.max_tokens}"
+        if r.stop is not None:
+            if len(r.stop) > lim.max_stop:
+                return bad, f"`stop` has {len(r.stop)} strings; the limit is {lim.max_stop}"
+            for s in r.stop:
+                if not s or len(s) > lim.max_stop_chars:
+                    return bad, f"each `stop` string must be 1..{lim.max_stop_chars} chars"
+        if r.messages is not None and len(r.messages) > lim.max_messages:
+            return ErrorCode.PAYLOAD_TOO_LARGE, f"`messages` has {len(r.messages)} entries; the limit is {lim.max_messages}"
+        chars = len(r.prompt or "") + sum(len(m.content) for m in r.messages or ())
+        if chars > lim.max_prompt_chars:
+            return ErrorCode.PAYLOAD_TOO_LARGE, f"prompt is {chars} chars; the limit is {lim.max_prompt_chars}"
+        return None
+
+    def _bad(self, code, message, value, content_type, key) -> BadRequest:
+        """Recover id and reply topic from a record that failed, so the producer hears back."""
+        rid = reply_to = None
+        envelope = None
+        if value is not None and len(value) <= 4 * self.limits.max_record_bytes:
+            try:
+                dec = self._msgpack_envelope if content_type == MSGPACK else self._json_envelope
+                envelope = dec.decode(value)
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+                envelope = None
+        if envelope is not None:
+            rid = _valid(_id_ok, envelope.id)
+            reply_to = envelope.reply_to
+        if rid is None and key:
+            try:
+                rid = _valid(_id_ok, key.decode("utf-8"))
+            except UnicodeDecodeError:
+                rid = None
+        if reply_to is not None and _valid(_topic_ok, reply_to) is None:
+            # An unusable reply topic means nobody can be answered: dead-letter it.
+            return BadRequest(code, message + f"; `reply_to` is not a valid topic name", None, None)
+        return BadRequest(code, message, rid, reply_to)
+
+
+class ReplyCodec:
+    """Encode replies as JSON; decode them for consumers and tests."""
+
+    def __init__(self):
+        self._enc = msgspec.json.Encoder()
+        self._dec = msgspec.json.Decoder(Reply)
+
+    def encode(self, reply) -> bytes:
+        return self._enc.encode(reply)
+
+    def decode(self, data: bytes):
+        return self._dec.decode(data)

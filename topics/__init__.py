@@ -1,0 +1,70 @@
+"""Topic catalog: the one place topic names, classes and partition counts come from."""
+
+from __future__ import annotations
+
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+from msgspec import Meta, Struct
+from typing import Annotated
+
+TopicName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9._-]{1,249}$")]
+CLASSES = ("realtime", "standard", "batch")
+
+
+class Topic(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: TopicName
+    role: Literal["requests", "replies", "dlq"]
+    partitions: Annotated[int, Meta(ge=1)]
+    replication_factor: Annotated[int, Meta(ge=1)] = 1
+    config: dict[str, str] = {}
+    # request topics only
+    # `class` is a keyword in Python; TOML spells it `class`.
+    latency_class: Literal["realtime", "standard", "batch"] | None = msgspec.field(default=None, name="class")
+    priority: int = 0
+    slo_ms: int | None = None
+
+
+class Catalog(Struct, frozen=True):
+    topic: list[Topic]
+
+    def __post_init__(self):
+        roles = [t.role for t in self.topic]
+        if roles.count("replies") != 1 or roles.count("dlq") != 1:
+            raise ValueError("topics file needs exactly one `replies` and one `dlq` topic")
+        classes = [t.latency_class for t in self.topic if t.role == "requests"]
+        if None in classes or len(set(classes)) != len(classes) or not classes:
+            raise ValueError("each request topic needs a distinct `class` (realtime | standard | batch)")
+
+    @property
+    def requests(self) -> list[Topic]:
+        return [t for t in self.topic if t.role == "requests"]
+
+    @property
+    def replies(self) -> Topic:
+        return next(t for t in self.topic if t.role == "replies")
+
+    @property
+    def dlq(self) -> Topic:
+        return next(t for t in self.topic if t.role == "dlq")
+
+    def by_name(self, name: str) -> Topic | None:
+        return next((t for t in self.topic if t.name == name), None)
+
+    def request_topic(self, latency_class: str) -> Topic:
+        return next(t for t in self.requests if t.latency_class == latency_class)
+
+    def renamed(self, prefix: str) -> "Catalog":
+        """The same catalog with every name prefixed (isolated test and demo runs)."""
+        return Catalog([msgspec.structs.replace(t, name=f"{prefix}{t.name}") for t in self.topic])
+
+
+def load(path: str | Path | None = None) -> Catalog:
+    text = Path(path).read_text() if path else resources.files(__name__).joinpath("default.toml").read_text()
+    try:
+        return msgspec.convert(tomllib.loads(text), Catalog)
+    except (msgspec.ValidationError, tomllib.TOMLDecodeError, ValueError) as exc:
+        raise ValueError(f"topics file {path or 'topics/default.toml'}: {exc}") from None

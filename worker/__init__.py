@@ -1,0 +1,1 @@
+"""sluice worker: Kafka in, vLLM in the middle, Kafka out."""

@@ -1,0 +1,150 @@
+"""The engine seam: a small Protocol, and the vLLM adapter (the only code that imports vllm)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from schemas import Request
+
+
+@dataclass(frozen=True, slots=True)
+class GenParams:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """New tokens since the last delta; `finish_reason` is set on the last one."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+class EngineDead(RuntimeError):
+    """The engine cannot serve any more requests; the worker must stop."""
+
+
+class Engine(Protocol):
+    max_model_len: int
+
+    def prompt_ids(self, request: Request) -> list[int]: ...
+
+    def generate(self, request_id: str, prompt_ids: list[int], params: GenParams, priority: int) -> AsyncIterator[Delta]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    device: str = "auto"  # auto | cpu | cuda | npu
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    cpu_kvcache_gib: int = 2
+    gpu_memory_utilization: float = 0.85
+    enable_prefix_caching: bool = True
+
+
+def detect_device(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    try:
+        import torch_npu  # noqa: F401
+
+        if torch.npu.is_available():  # type: ignore[attr-defined]
+            return "npu"
+    except ImportError:
+        pass
+    return "cpu"
+
+
+class VllmEngine:
+    """vLLM `AsyncLLM` with token-id prompts, delta outputs and priority scheduling."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = detect_device(config.device)
+        if self.device == "cpu":
+            # Read by vLLM's CPU worker when the engine core starts.
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kvcache_gib))
+        from vllm import SamplingParams
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._SamplingParams = SamplingParams
+        self._delta = RequestOutputKind.DELTA
+        args = AsyncEngineArgs(
+            model=config.model,
+            dtype="bfloat16" if self.device == "cpu" else "auto",
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            scheduling_policy="priority",
+            enable_prefix_caching=config.enable_prefix_caching,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            disable_log_stats=True,
+        )
+        self._llm = AsyncLLM.from_engine_args(args)
+        self._tokenizer = self._llm.get_tokenizer()
+        self.max_model_len = self._llm.model_config.max_model_len
+
+    def prompt_ids(self, request: Request) -> list[int]:
+        if request.messages is not None:
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            # The template already holds the special tokens.
+            return list(self._tokenizer.encode(text, add_special_tokens=False))
+        return list(self._tokenizer.encode(request.prompt or ""))
+
+    def sampling_params(self, params: GenParams):
+        return self._SamplingParams(
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            seed=params.seed,
+            stop=list(params.stop) or None,
+            output_kind=self._delta,
+        )
+
+    async def generate(self, request_id, prompt_ids, params, priority) -> AsyncIterator[Delta]:
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            async for out in self._llm.generate(
+                TokensPrompt(prompt_token_ids=prompt_ids),
+                self.sampling_params(params),
+                request_id,
+                priority=priority,
+            ):
+                completion = out.outputs[0]
+                yield Delta(completion.text, list(completion.token_ids), completion.finish_reason if out.finished else None)
+        except EngineDeadError as exc:
+            raise EngineDead(str(exc)) from exc
+
+    async def abort(self, request_id: str) -> None:
+        await self._llm.abort(request_id)
+
+    async def check_health(self) -> None:
+        await self._llm.check_health()
+
+    def shutdown(self) -> None:
+        self._llm.shutdown()

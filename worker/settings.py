@@ -1,0 +1,142 @@
+"""One validated settings object, from a TOML file and `SLUICE_*` environment variables.
+
+Precedence: defaults < TOML file (`SLUICE_CONFIG`, or `--config`) < environment.
+Every field `foo_bar` is set by the variable `SLUICE_FOO_BAR`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+from schemas import Limits
+
+Port = Annotated[int, Meta(ge=0, le=65535)]
+Positive = Annotated[int, Meta(ge=1)]
+ENV_PREFIX = "SLUICE_"
+
+
+class SettingsError(ValueError):
+    """Raised at start-up; the message names the offending setting."""
+
+
+class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # Kafka
+    kafka_bootstrap: Annotated[str, Meta(min_length=1)] = "127.0.0.1:19092"
+    kafka_client_id: str = "sluice"
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: str | None = None
+    kafka_ssl_cafile: str | None = None
+    # Idempotent producers: on for real Kafka; the embedded dev broker lacks InitProducerId.
+    kafka_idempotence: bool = True
+    group_id: Annotated[str, Meta(min_length=1)] = "sluice-workers"
+    topics_file: str | None = None  # None: the bundled topics/default.toml
+    commit_interval_ms: Positive = 500
+    # Redis Cluster (a seed node)
+    redis_url: Annotated[str, Meta(pattern=r"^rediss?://")] = "redis://127.0.0.1:17001"
+    redis_key_prefix: str = "sluice"
+    redis_ttl_s: Positive = 86400
+    redis_timeout_ms: Positive = 500
+    # Engine
+    model: str = ".sluice/models/smollm2-135m-instruct"
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    max_model_len: Positive = 2048
+    max_num_seqs: Positive = 64
+    cpu_kvcache_gib: Positive = 2
+    gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.85
+    # Worker
+    max_in_flight: Positive = 128
+    drain_grace_s: Annotated[float, Meta(ge=0)] = 30.0
+    metrics_port: Port = 9464
+    metrics_host: str = "0.0.0.0"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["json", "console"] = "json"
+    # Request limits
+    max_record_bytes: Positive = 1 << 20
+    max_tokens_limit: Positive = 1024
+    default_max_tokens: Positive = 64
+    max_stop: Annotated[int, Meta(ge=0)] = 4
+    max_stop_chars: Positive = 64
+    max_messages: Positive = 64
+    max_prompt_chars: Positive = 256 * 1024
+    max_prompt_tokens: Positive | None = None
+
+    def limits(self) -> Limits:
+        return Limits(
+            max_record_bytes=self.max_record_bytes,
+            max_tokens=self.max_tokens_limit,
+            default_max_tokens=self.default_max_tokens,
+            max_stop=self.max_stop,
+            max_stop_chars=self.max_stop_chars,
+            max_messages=self.max_messages,
+            max_prompt_chars=self.max_prompt_chars,
+            max_prompt_tokens=self.max_prompt_tokens,
+        )
+
+    def kafka_common(self) -> dict:
+        """Connection options shared by consumers, producers and admin clients."""
+        opts: dict = {"bootstrap_servers": self.kafka_bootstrap, "security_protocol": self.kafka_security_protocol}
+        if self.kafka_sasl_mechanism:
+            opts.update(
+                sasl_mechanism=self.kafka_sasl_mechanism,
+                sasl_plain_username=self.kafka_sasl_username,
+                sasl_plain_password=self.kafka_sasl_password,
+            )
+        if self.kafka_security_protocol in ("SSL", "SASL_SSL"):
+            from aiokafka.helpers import create_ssl_context
+
+            opts["ssl_context"] = create_ssl_context(cafile=self.kafka_ssl_cafile)
+        return opts
+
+
+FIELDS = {name: name for name in Settings.__struct_fields__}
+
+
+def _env_overrides(environ) -> dict:
+    out = {}
+    for key, raw in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == "SLUICE_CONFIG":
+            continue
+        name = key[len(ENV_PREFIX):].lower()
+        if name not in FIELDS:
+            continue  # other SLUICE_* variables belong to tools and tests
+        out[name] = None if raw == "" else raw
+    return out
+
+
+def _name_setting(message: str, from_env: set[str]) -> str:
+    """'... - at `$.metrics_port`' -> name both the field and its variable."""
+    match = re.search(r"at `\$\.(\w+)`", message)
+    if not match:
+        return message
+    field = match.group(1)
+    where = f"{ENV_PREFIX}{field.upper()}" if field in from_env else field
+    return f"invalid setting {where}: {message.split(' - at ')[0]}"
+
+
+def load(config_path: str | os.PathLike | None = None, environ=None, **overrides) -> Settings:
+    environ = os.environ if environ is None else environ
+    data: dict = {}
+    path = config_path or environ.get("SLUICE_CONFIG")
+    if path:
+        try:
+            data.update(tomllib.loads(Path(path).read_text()))
+        except FileNotFoundError:
+            raise SettingsError(f"config file {path} not found (SLUICE_CONFIG / --config)") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SettingsError(f"config file {path} is not valid TOML: {exc}") from None
+    env = _env_overrides(environ)
+    data.update(env)
+    data.update(overrides)
+    try:
+        return msgspec.convert(data, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        raise SettingsError(_name_setting(str(exc), set(env))) from None
