@@ -1,0 +1,1 @@
+"""Request generators and latency/throughput reporting."""

@@ -1,0 +1,185 @@
+"""Send a burst of requests, follow their replies, report per-class latency.
+
+Used by `sluice demo` and the integration tests; it checks the contract on every
+reply it reads (gapless seqs, text joins to `done.text`, one final per request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from schemas import DoneReply, ErrorReply, ReplyCodec, TokenReply
+
+MERCHANTS = ["grocery", "electronics", "travel", "fuel", "restaurant", "gaming", "pharmacy"]
+COUNTRIES = ["US", "GB", "DE", "BR", "IN", "NG", "JP"]
+
+
+def make_requests(n: int, seed: int = 7, prefix: str = "demo", max_tokens: int = 24) -> list[tuple[str, dict]]:
+    """(latency class, request body) pairs: transaction questions and chat prompts, mixed classes."""
+    rng = random.Random(seed)
+    classes = ["realtime", "standard", "batch"]
+    out = []
+    for i in range(n):
+        cls = classes[i % 3]
+        amount = round(rng.lognormvariate(3.5, 1.2), 2)
+        tx = (f"card-present={rng.random() < 0.5} amount={amount} USD merchant={rng.choice(MERCHANTS)} "
+              f"country={rng.choice(COUNTRIES)} tx_last_24h={rng.randint(0, 30)}")
+        body: dict = {"id": f"{prefix}-{i:04d}", "max_tokens": max_tokens}
+        if i % 2:
+            body["messages"] = [{"role": "user", "content": f"Is this card transaction suspicious? {tx}"}]
+        else:
+            body["prompt"] = f"Transaction: {tx}\nRisk assessment:"
+        out.append((cls, body))
+    return out
+
+
+@dataclass
+class Outcome:
+    latency_class: str
+    sent_at: float
+    first_token_at: float | None = None
+    done_at: float | None = None
+    tokens: dict[int, str] = field(default_factory=dict)
+    final: object = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.tokens[s] for s in sorted(self.tokens))
+
+
+class ReplyReader:
+    """Reads every partition of a reply topic from its current end (no consumer group)."""
+
+    def __init__(self, bootstrap: str, topic: str):
+        self.topic = topic
+        self.consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+                                         auto_offset_reset="earliest")
+        self.codec = ReplyCodec()
+
+    async def start(self, from_beginning: bool = False) -> None:
+        await self.consumer.start()
+        parts = None
+        for _ in range(50):
+            parts = self.consumer.partitions_for_topic(self.topic)
+            if parts:
+                break
+            await self.consumer._client.force_metadata_update()  # topic may be brand new
+            await asyncio.sleep(0.1)
+        tps = [TopicPartition(self.topic, p) for p in sorted(parts or [])]
+        self.consumer.assign(tps)
+        if from_beginning:
+            await self.consumer.seek_to_beginning(*tps)
+        else:
+            await self.consumer.seek_to_end(*tps)
+            for tp in tps:
+                await self.consumer.position(tp)  # resolve the end now, before anything is sent
+
+    async def records(self, timeout_ms: int = 200):
+        batches = await self.consumer.getmany(timeout_ms=timeout_ms)
+        for recs in batches.values():
+            for rec in recs:
+                yield self.codec.decode(rec.value)
+
+    async def stop(self) -> None:
+        await self.consumer.stop()
+
+
+async def produce(bootstrap: str, items: list[tuple[str, bytes | None, bytes, list]]) -> None:
+    """items: (topic, key, value, headers)."""
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5, max_request_size=16 << 20)
+    await producer.start()
+    try:
+        futs = [await producer.send(t, v, key=k, headers=h) for t, k, v, h in items]
+        await asyncio.gather(*futs)
+    finally:
+        await producer.stop()
+
+
+async def run_burst(bootstrap: str, catalog, requests: list[tuple[str, dict]], timeout_s: float = 600,
+                    on_token=None, progress=None) -> dict[str, Outcome]:
+    """Publish `requests`, read replies until each has its final; returns outcomes by id."""
+    reader = ReplyReader(bootstrap, catalog.replies.name)
+    await reader.start()
+    outcomes: dict[str, Outcome] = {}
+    try:
+        now = time.monotonic()
+        items = []
+        for cls, body in requests:
+            outcomes[body["id"]] = Outcome(cls, now)
+            items.append((catalog.request_topic(cls).name, body["id"].encode(), msgspec.json.encode(body), []))
+        await produce(bootstrap, items)
+        remaining = set(outcomes)
+        deadline = time.monotonic() + timeout_s
+        while remaining and time.monotonic() < deadline:
+            async for reply in reader.records():
+                o = outcomes.get(reply.id)
+                if o is None:
+                    continue
+                t = time.monotonic()
+                if isinstance(reply, TokenReply):
+                    if reply.seq in o.tokens and o.tokens[reply.seq] != reply.text:
+                        o.problems.append(f"seq {reply.seq} repeated with other text")
+                    o.tokens[reply.seq] = reply.text
+                    o.first_token_at = o.first_token_at or t
+                    if on_token:
+                        on_token(reply)
+                else:
+                    if o.final is not None:
+                        o.problems.append("second final reply")
+                        continue
+                    o.final, o.done_at = reply, t
+                    o.first_token_at = o.first_token_at or t
+                    remaining.discard(reply.id)
+                    if progress:
+                        progress(1)
+        for o in outcomes.values():
+            check(o)
+        return outcomes
+    finally:
+        await reader.stop()
+
+
+def check(o: Outcome) -> None:
+    """Contract checks on one request's replies."""
+    if o.final is None:
+        o.problems.append("no final reply")
+        return
+    if isinstance(o.final, DoneReply):
+        if sorted(o.tokens) != list(range(len(o.tokens))):
+            o.problems.append(f"token seqs not gapless: {sorted(o.tokens)[:10]}")
+        if o.tokens and o.final.seq != len(o.tokens):
+            o.problems.append(f"done.seq {o.final.seq} != {len(o.tokens)} tokens")
+        if o.tokens and o.text != o.final.text:
+            o.problems.append("joined token text differs from done.text")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))
+    return s[k]
+
+
+def report(outcomes: dict[str, Outcome]) -> str:
+    rows = ["class      n  errors  ttft p50  e2e p50  e2e p90  e2e p99   req/s  tok/s"]
+    start = min((o.sent_at for o in outcomes.values()), default=0)
+    for cls in ("realtime", "standard", "batch", "all"):
+        group = [o for o in outcomes.values() if (cls == "all" or o.latency_class == cls) and o.done_at]
+        if not group:
+            continue
+        e2e = [o.done_at - o.sent_at for o in group]
+        ttft = [o.first_token_at - o.sent_at for o in group]
+        errors = sum(isinstance(o.final, ErrorReply) for o in group)
+        span = max(o.done_at for o in group) - start
+        toks = sum(o.final.usage.completion_tokens for o in group if isinstance(o.final, DoneReply))
+        rows.append(f"{cls:9s} {len(group):3d} {errors:7d} {percentile(ttft, 50):8.2f}s {percentile(e2e, 50):7.2f}s "
+                    f"{percentile(e2e, 90):7.2f}s {percentile(e2e, 99):7.2f}s {len(group) / span:7.1f} {toks / span:6.0f}")
+    return "\n".join(rows)

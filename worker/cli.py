@@ -1,0 +1,150 @@
+"""The `sluice` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from pathlib import Path
+
+
+def _settings(args):
+    from worker.settings import SettingsError, load
+
+    try:
+        return load(getattr(args, "config", None))
+    except SettingsError as exc:
+        sys.exit(f"sluice: {exc}")
+
+
+def _catalog(settings):
+    import topics
+
+    try:
+        return topics.load(settings.topics_file)
+    except (OSError, ValueError) as exc:
+        sys.exit(f"sluice: {exc}")
+
+
+def cmd_dev(args) -> int:
+    from worker import devstack
+
+    state = Path(args.state_dir)
+    try:
+        if args.action == "up":
+            devstack.up(state)
+        elif args.action == "down":
+            devstack.down(state)
+        else:
+            rows = devstack.status(state)
+            for name, st in rows.items():
+                print(f"{name:12s} {st}")
+            return 0 if all(s.startswith("up") for s in rows.values()) else 1
+    except devstack.DevStackError as exc:
+        print(f"sluice dev {args.action}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_model(args) -> int:
+    from worker.model import ModelError, prepare
+
+    try:
+        prepare(Path(args.out), force=args.force)
+    except ModelError as exc:
+        print(f"sluice model prepare: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_topics(args) -> int:
+    from aiokafka.errors import KafkaError
+
+    from topics.admin import apply
+
+    settings = _settings(args)
+    catalog = _catalog(settings)
+    try:
+        missing, drift = asyncio.run(apply(settings.kafka_common(), catalog, create=args.action == "apply"))
+    except (KafkaError, OSError) as exc:
+        print(f"sluice topics {args.action}: cannot reach {settings.kafka_bootstrap}: {exc!r}", file=sys.stderr)
+        return 1
+    for name in missing:
+        print(f"{'created' if args.action == 'apply' else 'missing'}: {name}")
+    for d in drift:
+        print(f"drift: {d}")
+    if not missing and not drift:
+        print(f"ok: {len(catalog.topic)} topics match {settings.topics_file or 'topics/default.toml'}")
+    if args.action == "check":
+        return 1 if missing or drift else 0
+    return 1 if drift else 0
+
+
+def cmd_schemas(args) -> int:
+    from schemas.wire import json_schemas
+
+    out = Path(args.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, schema in json_schemas().items():
+        (out / name).write_text(json.dumps(schema, indent=2) + "\n")
+        print(out / name)
+    return 0
+
+
+def cmd_worker(args) -> int:
+    from worker.logs import configure
+    from worker.service import run_worker
+
+    settings = _settings(args)
+    catalog = _catalog(settings)
+    configure(settings.log_level, settings.log_format)
+    return asyncio.run(run_worker(settings, catalog))
+
+
+def cmd_demo(args) -> int:
+    from loadgen.demo import main as demo_main
+
+    return demo_main(args)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="sluice", description="Kafka-fed streaming LLM inference on vLLM")
+    parser.add_argument("--config", help="settings TOML file (default: $SLUICE_CONFIG)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("dev", help="embedded broker + Redis Cluster on loopback")
+    p.add_argument("action", choices=["up", "down", "status"])
+    p.add_argument("--state-dir", default=str(__import__("worker.devstack", fromlist=["x"]).DEFAULT_DIR))
+    p.set_defaults(fn=cmd_dev)
+
+    p = sub.add_parser("model", help="prepare the bundled SmolLM2-135M-Instruct for vLLM")
+    p.add_argument("action", choices=["prepare"])
+    p.add_argument("--out", default=".sluice/models/smollm2-135m-instruct")
+    p.add_argument("--force", action="store_true", help="rebuild even if the cached copy verifies")
+    p.set_defaults(fn=cmd_model)
+
+    p = sub.add_parser("topics", help="create missing topics / check for drift")
+    p.add_argument("action", choices=["apply", "check"])
+    p.set_defaults(fn=cmd_topics)
+
+    p = sub.add_parser("schemas", help="export the wire contract as JSON Schema")
+    p.add_argument("action", choices=["export"])
+    p.add_argument("dir")
+    p.set_defaults(fn=cmd_schemas)
+
+    p = sub.add_parser("worker", help="run a worker")
+    p.set_defaults(fn=cmd_worker)
+
+    p = sub.add_parser("demo", help="embedded stack + worker + a burst of requests, results shown")
+    p.add_argument("--requests", type=int, default=60)
+    p.add_argument("--keep-up", action="store_true", help="leave the embedded stack running afterwards")
+    p.set_defaults(fn=cmd_demo)
+
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

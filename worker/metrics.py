@@ -1,0 +1,31 @@
+"""Every metric name in one module. Labels: `class` is the latency class."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry()
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+records_consumed = Counter("sluice_records_consumed_total", "Request records read", ["class"], registry=REGISTRY)
+requests_completed = Counter(
+    "sluice_requests_completed_total", "Requests answered, by outcome (finish reason or error code)",
+    ["class", "outcome"], registry=REGISTRY,
+)
+bad_records = Counter("sluice_bad_records_total", "Records rejected, by error code and where the answer went",
+                      ["code", "route"], registry=REGISTRY)
+duplicates = Counter("sluice_duplicate_requests_total", "Requests whose id was already answered", ["class"],
+                     registry=REGISTRY)
+in_flight = Gauge("sluice_requests_in_flight", "Requests taken and not yet answered", ["class"], registry=REGISTRY)
+paused_partitions = Gauge("sluice_paused_partitions", "Partitions paused for backpressure", registry=REGISTRY)
+tokens_generated = Counter("sluice_tokens_generated_total", "Completion tokens", ["class"], registry=REGISTRY)
+prompt_tokens = Counter("sluice_prompt_tokens_total", "Prompt tokens", ["class"], registry=REGISTRY)
+reply_records = Counter("sluice_reply_records_total", "Reply records produced", ["type"], registry=REGISTRY)
+time_to_first_token = Histogram("sluice_time_to_first_token_seconds", "From record timestamp to first token",
+                                ["class"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
+end_to_end = Histogram("sluice_end_to_end_seconds", "From record timestamp to done/error produced",
+                       ["class"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
+commits = Counter("sluice_offset_commits_total", "Offset commits", ["result"], registry=REGISTRY)
+redis_up = Gauge("sluice_redis_up", "1 when Redis Cluster answers, 0 while degraded", registry=REGISTRY)
+engine_up = Gauge("sluice_engine_up", "1 while the engine serves", registry=REGISTRY)

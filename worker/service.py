@@ -1,0 +1,59 @@
+"""Process wiring for `sluice worker`: engine, worker, ops server, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import structlog
+
+from topics import Catalog
+from worker.engine import EngineConfig, EngineDead
+from worker.ops import OpsServer
+from worker.settings import Settings
+from worker.worker import Worker
+
+log = structlog.get_logger("sluice.service")
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    return EngineConfig(
+        model=settings.model,
+        device=settings.device,
+        max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs,
+        cpu_kvcache_gib=settings.cpu_kvcache_gib,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+    )
+
+
+async def run_worker(settings: Settings, catalog: Catalog) -> int:
+    from worker.engine import VllmEngine
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    worker: Worker | None = None
+
+    def status():
+        if worker is None:
+            return False, {"engine": "loading"}
+        return worker.ready, {"redis": "up" if worker.answers.available else "degraded",
+                              "in_flight": worker.in_flight()}
+
+    ops = OpsServer(settings.metrics_host, settings.metrics_port, status)
+    await ops.start()
+    log.info("engine_loading", model=settings.model, device=settings.device)
+    engine = await asyncio.to_thread(VllmEngine, engine_config(settings))
+    try:
+        worker = Worker(settings, catalog, engine)
+        await worker.start()
+        await worker.run_until(stop)
+        return 0
+    except EngineDead:
+        return 1
+    finally:
+        await ops.stop()
+        engine.shutdown()
