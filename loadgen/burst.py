@@ -55,7 +55,12 @@ class Outcome:
 
 
 class ReplyReader:
-    """Reads every partition of a reply topic from its current end (no consumer group)."""
+    """Reads every partition of a reply topic from its current end (no consumer group).
+
+    Records older than `start()` are also skipped by timestamp: the embedded broker
+    reports a partition's end as one past the *first* offset of its last batch,
+    so "seek to end" alone can replay the tail of that batch.
+    """
 
     def __init__(self, bootstrap: str, topic: str):
         self.topic = topic
@@ -64,6 +69,7 @@ class ReplyReader:
         self.codec = ReplyCodec()
 
     async def start(self, from_beginning: bool = False) -> None:
+        self.since_ms = 0 if from_beginning else int(time.time() * 1000) - 5
         await self.consumer.start()
         parts = None
         for _ in range(50):
@@ -85,7 +91,8 @@ class ReplyReader:
         batches = await self.consumer.getmany(timeout_ms=timeout_ms)
         for recs in batches.values():
             for rec in recs:
-                yield self.codec.decode(rec.value)
+                if rec.timestamp >= self.since_ms:
+                    yield self.codec.decode(rec.value)
 
     async def stop(self) -> None:
         await self.consumer.stop()

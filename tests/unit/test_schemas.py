@@ -1,0 +1,95 @@
+"""Decoding and limits: every bad input gets a clear code, and the id when it is readable."""
+
+import msgspec
+import pytest
+
+from schemas import BadRequest, DoneReply, ErrorCode, ErrorReply, Limits, ReplyCodec, RequestCodec, TokenReply, Usage
+
+codec = RequestCodec(Limits(max_record_bytes=4096, max_tokens=256, max_stop=2, max_messages=3))
+J = msgspec.json.encode
+MSGPACK = [("content-type", b"application/msgpack")]
+
+CASES = [
+    # (name, value, headers, key, code, id readable)
+    ("not json", b"{nope", [], None, ErrorCode.INVALID_REQUEST, None),
+    ("not json, key has id", b"\xff\xfe", [], b"k-1", ErrorCode.INVALID_REQUEST, "k-1"),
+    ("json array", b"[1,2]", [], None, ErrorCode.INVALID_REQUEST, None),
+    ("missing id", J({"prompt": "hi"}), [], None, ErrorCode.INVALID_REQUEST, None),
+    ("empty id", J({"id": "", "prompt": "hi"}), [], None, ErrorCode.INVALID_REQUEST, None),
+    ("id too long", J({"id": "x" * 129, "prompt": "hi"}), [], None, ErrorCode.INVALID_REQUEST, None),
+    ("wrong type", J({"id": "a", "prompt": "hi", "max_tokens": "ten"}), [], None, ErrorCode.INVALID_REQUEST, "a"),
+    ("unknown kind", J({"id": "a", "kind": "translate", "prompt": "hi"}), [], None, ErrorCode.INVALID_REQUEST, "a"),
+    ("no prompt", J({"id": "a"}), [], None, ErrorCode.INVALID_REQUEST, "a"),
+    ("prompt and messages", J({"id": "a", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}), [], None,
+     ErrorCode.INVALID_REQUEST, "a"),
+    ("bad role", J({"id": "a", "messages": [{"role": "robot", "content": "y"}]}), [], None,
+     ErrorCode.INVALID_REQUEST, "a"),
+    ("too many messages", J({"id": "a", "messages": [{"role": "user", "content": "y"}] * 4}), [], None,
+     ErrorCode.PAYLOAD_TOO_LARGE, "a"),
+    ("max_tokens over limit", J({"id": "a", "prompt": "x", "max_tokens": 257}), [], None,
+     ErrorCode.INVALID_REQUEST, "a"),
+    ("max_tokens zero", J({"id": "a", "prompt": "x", "max_tokens": 0}), [], None, ErrorCode.INVALID_REQUEST, "a"),
+    ("temperature out of range", J({"id": "a", "prompt": "x", "temperature": 9}), [], None,
+     ErrorCode.INVALID_REQUEST, "a"),
+    ("too many stops", J({"id": "a", "prompt": "x", "stop": ["a", "b", "c"]}), [], None,
+     ErrorCode.INVALID_REQUEST, "a"),
+    ("record too large", J({"id": "big", "prompt": "x" * 5000}), [], None, ErrorCode.PAYLOAD_TOO_LARGE, "big"),
+    ("bad reply_to", J({"id": "a", "prompt": "x", "reply_to": "no spaces allowed"}), [], None,
+     ErrorCode.INVALID_REQUEST, None),
+    ("unknown content-type", J({"id": "a", "prompt": "x"}), [("content-type", b"text/csv")], None,
+     ErrorCode.INVALID_REQUEST, "a"),
+    ("bad msgpack", b"\xc1\xc1", MSGPACK, None, ErrorCode.INVALID_REQUEST, None),
+    ("no value", None, [], b"tomb", ErrorCode.INVALID_REQUEST, "tomb"),
+    ("score not served yet", J({"id": "a", "kind": "score", "event": {}}), [], None, ErrorCode.INVALID_REQUEST, "a"),
+]
+
+
+@pytest.mark.parametrize("name,value,headers,key,code,rid", CASES, ids=[c[0] for c in CASES])
+def test_bad_records(name, value, headers, key, code, rid):
+    with pytest.raises(BadRequest) as info:
+        codec.decode(value, headers, key)
+    assert info.value.code == code
+    assert info.value.id == rid
+    assert info.value.message
+
+
+def test_error_names_the_field():
+    with pytest.raises(BadRequest) as info:
+        codec.decode(J({"id": "a", "prompt": "hi", "max_tokens": "ten"}))
+    assert "max_tokens" in info.value.message
+
+
+def test_valid_json_and_msgpack_agree():
+    body = {"id": "r1", "messages": [{"role": "user", "content": "hi"}], "stop": ["\n"], "future_field": 1}
+    a = codec.decode(J(body))
+    b = codec.decode(msgspec.msgpack.encode(body), MSGPACK)
+    assert a == b
+    assert a.tenant == "default" and a.kind == "generate" and a.stream is True
+
+
+def test_reply_to_is_kept():
+    r = codec.decode(J({"id": "x", "prompt": "p", "reply_to": "team.replies"}))
+    assert r.reply_to == "team.replies"
+
+
+def test_reply_union_round_trip():
+    rc = ReplyCodec()
+    replies = [
+        TokenReply("a", 0, "he", [1, 2]),
+        DoneReply("a", 1, "he", "stop", Usage(3, 2)),
+        ErrorReply("b", ErrorCode.OVERLOADED, "later"),
+    ]
+    for r in replies:
+        data = rc.encode(r)
+        assert rc.decode(data) == r
+        assert msgspec.json.decode(data)["type"] in ("token", "done", "error")
+    assert b"scores" not in rc.encode(replies[1])  # optional fields stay off the wire
+
+
+def test_json_schema_export(tmp_path):
+    from worker.cli import main
+
+    assert main(["schemas", "export", str(tmp_path)]) == 0
+    schema = msgspec.json.decode((tmp_path / "request.schema.json").read_bytes())
+    assert "Request" in schema["$defs"]
+    assert "id" in schema["$defs"]["Request"]["required"]

@@ -1,0 +1,35 @@
+import pytest
+
+from worker.settings import SettingsError, load
+
+
+def test_env_overrides_file(tmp_path):
+    cfg = tmp_path / "s.toml"
+    cfg.write_text('group_id = "from-file"\nmetrics_port = 1000\n')
+    s = load(cfg, environ={"SLUICE_METRICS_PORT": "2000", "SLUICE_KAFKA_IDEMPOTENCE": "false"})
+    assert (s.group_id, s.metrics_port, s.kafka_idempotence) == ("from-file", 2000, False)
+
+
+@pytest.mark.parametrize("env,named", [
+    ({"SLUICE_METRICS_PORT": "abc"}, "SLUICE_METRICS_PORT"),
+    ({"SLUICE_METRICS_PORT": "70000"}, "SLUICE_METRICS_PORT"),
+    ({"SLUICE_REDIS_URL": "http://x"}, "SLUICE_REDIS_URL"),
+    ({"SLUICE_KAFKA_BOOTSTRAP": ""}, "SLUICE_KAFKA_BOOTSTRAP"),
+    ({"SLUICE_GROUP_ID": ""}, "SLUICE_GROUP_ID"),
+    ({"SLUICE_DEVICE": "tpu"}, "SLUICE_DEVICE"),
+])
+def test_invalid_settings_name_the_variable(env, named):
+    with pytest.raises(SettingsError, match=named):
+        load(environ=env)
+
+
+def test_unknown_key_in_file_is_an_error(tmp_path):
+    cfg = tmp_path / "s.toml"
+    cfg.write_text("metrics_prot = 1\n")
+    with pytest.raises(SettingsError, match="metrics_prot"):
+        load(cfg, environ={})
+
+
+def test_missing_config_file():
+    with pytest.raises(SettingsError, match="not found"):
+        load("/nonexistent.toml", environ={})

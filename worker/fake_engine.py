@@ -1,0 +1,46 @@
+"""A deterministic stand-in engine for fast tests of scheduling, offsets and overhead.
+
+Never the only proof a feature works: integration tests run the real vLLM engine.
+Token i of a prompt is `(sum(prompt) + i) % 1000`, its text `"<t{id}>"`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from schemas import Request
+from worker.engine import Delta, GenParams
+
+
+class FakeEngine:
+    def __init__(self, max_model_len: int = 2048, token_delay_s: float = 0.0, tokens_per_delta: int = 1):
+        self.max_model_len = max_model_len
+        self.token_delay_s = token_delay_s
+        self.tokens_per_delta = tokens_per_delta
+        self.started: list[str] = []
+        self.aborted: list[str] = []
+
+    def prompt_ids(self, request: Request) -> list[int]:
+        text = request.prompt if request.prompt is not None else " ".join(m.content for m in request.messages or ())
+        return [b % 256 for b in text.encode()] or [0]
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: GenParams, priority: int):
+        self.started.append(request_id)
+        base = sum(prompt_ids)
+        i = 0
+        while i < params.max_tokens:
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            n = min(self.tokens_per_delta, params.max_tokens - i)
+            ids = [(base + i + k) % 1000 for k in range(n)]
+            i += n
+            yield Delta("".join(f"<t{t}>" for t in ids), ids, "length" if i >= params.max_tokens else None)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def check_health(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
