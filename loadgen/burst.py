@@ -65,7 +65,7 @@ class ReplyReader:
     def __init__(self, bootstrap: str, topic: str):
         self.topic = topic
         self.consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                                         auto_offset_reset="earliest")
+                                         auto_offset_reset="earliest", fetch_max_wait_ms=50)
         self.codec = ReplyCodec()
 
     async def start(self, from_beginning: bool = False) -> None:

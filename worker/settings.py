@@ -40,6 +40,9 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     group_id: Annotated[str, Meta(min_length=1)] = "sluice-workers"
     topics_file: str | None = None  # None: the bundled topics/default.toml
     commit_interval_ms: Positive = 500
+    # Upper bound on how long a fetch waits for data. Apache Kafka answers as soon as
+    # data arrives; the embedded broker waits the full time, so keep it short.
+    kafka_fetch_max_wait_ms: Positive = 50
     # Redis Cluster (a seed node)
     redis_url: Annotated[str, Meta(pattern=r"^rediss?://")] = "redis://127.0.0.1:17001"
     redis_key_prefix: str = "sluice"

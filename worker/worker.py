@@ -52,6 +52,7 @@ class Worker:
             group_id=settings.group_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
+            fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
             max_partition_fetch_bytes=max(1 << 20, 2 * settings.max_record_bytes),
         )
         self.runner = Runner(engine, self.emitter, self.answers, settings.limits(), self.is_running)

@@ -1,0 +1,93 @@
+"""`sluice worker` as a process: readiness, metrics, and a SIGTERM drain that loses nothing."""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+
+import pytest
+
+from loadgen.burst import ReplyReader, produce
+from schemas import DoneReply, TokenReply
+from tests.integration.helpers import committed_offsets
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(port, path):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return None, ""
+
+
+async def test_sigterm_drains_in_flight_requests(settings, catalog, model_dir, tmp_path):
+    from importlib import resources
+
+    prefix = catalog.replies.name[: -len("sluice.replies")]
+    text = resources.files("topics").joinpath("default.toml").read_text()
+    topics_file = tmp_path / "topics.toml"
+    topics_file.write_text(text.replace('name = "sluice.', f'name = "{prefix}sluice.'))
+    port, group = _free_port(), f"g-{uuid.uuid4().hex[:6]}"
+    env = {**os.environ, "SLUICE_TOPICS_FILE": str(topics_file), "SLUICE_METRICS_PORT": str(port),
+           "SLUICE_GROUP_ID": group, "SLUICE_MODEL": str(model_dir), "SLUICE_KAFKA_IDEMPOTENCE": "false",
+           "SLUICE_DRAIN_GRACE_S": "120", "SLUICE_REDIS_KEY_PREFIX": f"p{uuid.uuid4().hex[:6]}"}
+    log = open(tmp_path / "worker.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], env=env, stdout=log, stderr=log)
+    try:
+        end = time.monotonic() + 400
+        while _get(port, "/readyz")[0] != 200:
+            assert proc.poll() is None, (tmp_path / "worker.log").read_text()[-2000:]
+            assert time.monotonic() < end, "worker never became ready"
+            await asyncio.sleep(0.5)
+        assert _get(port, "/healthz")[0] == 200
+        ready = _get(port, "/readyz")[1]
+        assert '"redis": "up"' in ready, ready
+
+        reader = ReplyReader(settings.kafka_bootstrap, catalog.replies.name)
+        await reader.start()
+        ids = [f"drain-{i}" for i in range(6)]
+        import msgspec
+        await produce(settings.kafka_bootstrap, [
+            (catalog.request_topic("standard").name, i.encode(),
+             msgspec.json.encode({"id": i, "prompt": "Write a long story about a dragon.", "max_tokens": 96}), [])
+            for i in ids])
+        finals, saw_token = {}, False
+        deadline = time.monotonic() + 300
+        while len(finals) < len(ids) and time.monotonic() < deadline:
+            async for r in reader.records():
+                if isinstance(r, TokenReply) and not saw_token:
+                    saw_token = True
+                    status, exposition = _get(port, "/metrics")
+                    proc.send_signal(signal.SIGTERM)  # mid-generation
+                elif isinstance(r, DoneReply):
+                    finals[r.id] = r
+        await reader.stop()
+        rc = await asyncio.to_thread(proc.wait, 120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    worker_log = (tmp_path / "worker.log").read_text()
+    assert saw_token
+    assert status == 200 and 'sluice_records_consumed_total{class="standard"}' in exposition
+    assert "sluice_time_to_first_token_seconds_bucket" in exposition
+    assert rc == 0, worker_log[-2000:]
+    assert set(finals) == set(ids), worker_log[-2000:]
+    assert all(f.finish_reason in ("length", "stop") and f.usage.completion_tokens > 0 for f in finals.values())
+    assert '"draining"' in worker_log and '"worker_stopped"' in worker_log
+    committed = await committed_offsets(settings, group, {catalog.request_topic("standard").name})
+    assert sum(committed.values()) == len(ids)
