@@ -26,6 +26,13 @@ class Topic(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     latency_class: Literal["realtime", "standard", "batch"] | None = msgspec.field(default=None, name="class")
     priority: int = 0
     slo_ms: int | None = None
+    # admission and intake policy (request topics; see worker/policy.py)
+    max_in_engine: Annotated[int, Meta(ge=1)] = 32
+    contended_in_engine: Annotated[int, Meta(ge=1)] = 32
+    min_in_engine: Annotated[int, Meta(ge=1)] = 1
+    max_waiting: Annotated[int, Meta(ge=1)] = 256
+    window_ms: Annotated[int, Meta(ge=0)] = 0
+    batch_size: Annotated[int, Meta(ge=1)] = 64
 
 
 class Catalog(Struct, frozen=True):

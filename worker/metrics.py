@@ -17,8 +17,10 @@ bad_records = Counter("sluice_bad_records_total", "Records rejected, by error co
                       ["code", "route"], registry=REGISTRY)
 duplicates = Counter("sluice_duplicate_requests_total", "Requests whose id was already answered", ["class"],
                      registry=REGISTRY)
-in_flight = Gauge("sluice_requests_in_flight", "Requests taken and not yet answered", ["class"], registry=REGISTRY)
-paused_partitions = Gauge("sluice_paused_partitions", "Partitions paused for backpressure", registry=REGISTRY)
+waiting = Gauge("sluice_requests_waiting", "Requests read and waiting for admission", ["class"], registry=REGISTRY)
+in_engine = Gauge("sluice_requests_in_engine", "Requests admitted to the engine", ["class"], registry=REGISTRY)
+paused_partitions = Gauge("sluice_paused_partitions", "Partitions paused for backpressure", ["class"],
+                          registry=REGISTRY)
 tokens_generated = Counter("sluice_tokens_generated_total", "Completion tokens", ["class"], registry=REGISTRY)
 prompt_tokens = Counter("sluice_prompt_tokens_total", "Prompt tokens", ["class"], registry=REGISTRY)
 reply_records = Counter("sluice_reply_records_total", "Reply records produced", ["type"], registry=REGISTRY)

@@ -37,9 +37,11 @@ def _now_ms() -> int:
 
 
 class Runner:
-    def __init__(self, engine: Engine, emitter: Emitter, answers: AnswerStore, limits: Limits, running):
+    def __init__(self, engine: Engine, emitter: Emitter, answers: AnswerStore, limits: Limits, running,
+                 chunk_tokens: int = 1, chunk_ms: int = 0):
         self.engine, self.emitter, self.answers, self.limits = engine, emitter, answers, limits
         self.running = running  # callable: keep retrying produces while true
+        self.chunk_tokens, self.chunk_s = chunk_tokens, chunk_ms / 1000
 
     def params(self, request: Request, prompt_len: int) -> GenParams:
         max_tokens = request.max_tokens or self.limits.default_max_tokens
@@ -89,24 +91,52 @@ class Runner:
     async def _generate(self, job: Job, prompt_ids: list[int], params: GenParams, log) -> DoneReply:
         req, cls = job.request, job.latency_class
         engine_id = f"{req.id}@{getattr(job.tp, 'partition', 0)}:{job.offset}"
-        seq, texts, n_tokens, finish = 0, [], 0, "stop"
-        first = True
+        chunk = _Chunk(self, job) if req.stream else None
+        texts, n_tokens, finish = [], 0, "stop"
         async for delta in self.engine.generate(engine_id, prompt_ids, params, job.priority):
             if delta.token_ids:
-                if first:
+                if n_tokens == 0:
                     metrics.time_to_first_token.labels(cls).observe(max(0.0, time.time() - job.timestamp_ms / 1000))
-                    first = False
                 n_tokens += len(delta.token_ids)
                 texts.append(delta.text)
-                if req.stream:
-                    await self.emitter.token(job.reply_to, TokenReply(req.id, seq, delta.text, delta.token_ids))
-                    seq += 1
+                if chunk is not None:
+                    await chunk.add(delta.text, delta.token_ids)
             if delta.finish_reason is not None:
                 finish = delta.finish_reason
-            if req.deadline_ms is not None and _now_ms() >= req.deadline_ms and delta.finish_reason is None:
+            elif req.deadline_ms is not None and _now_ms() >= req.deadline_ms:
                 await self.engine.abort(engine_id)
                 finish = "deadline"
                 break
+        seq = await chunk.flush() if chunk is not None else 0
         metrics.tokens_generated.labels(cls).inc(n_tokens)
         metrics.prompt_tokens.labels(cls).inc(len(prompt_ids))
         return DoneReply(req.id, seq, "".join(texts), finish, Usage(len(prompt_ids), n_tokens))
+
+
+class _Chunk:
+    """Coalesces deltas into token records: the first at once, then by count or age."""
+
+    def __init__(self, runner: Runner, job: Job):
+        self.runner, self.job = runner, job
+        self.seq = 0
+        self.texts: list[str] = []
+        self.ids: list[int] = []
+        self.since = 0.0
+
+    async def add(self, text: str, ids: list[int]) -> None:
+        if not self.ids:
+            self.since = time.monotonic()
+        self.texts.append(text)
+        self.ids.extend(ids)
+        if (self.seq == 0 or len(self.ids) >= self.runner.chunk_tokens
+                or time.monotonic() - self.since >= self.runner.chunk_s):
+            await self.flush()
+
+    async def flush(self) -> int:
+        """Send what is buffered; returns the next seq (the done record's seq)."""
+        if self.ids:
+            reply = TokenReply(self.job.request.id, self.seq, "".join(self.texts), self.ids)
+            await self.runner.emitter.token(self.job.reply_to, reply)
+            self.seq += 1
+            self.texts, self.ids = [], []
+        return self.seq

@@ -56,7 +56,10 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     cpu_kvcache_gib: Positive = 2
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.85
     # Worker
-    max_in_flight: Positive = 128
+    # Token records: the first token goes out at once; later ones are coalesced into
+    # one record per `stream_chunk_tokens` tokens or `stream_chunk_ms`, whichever first.
+    stream_chunk_tokens: Positive = 8
+    stream_chunk_ms: Annotated[int, Meta(ge=0)] = 50
     drain_grace_s: Annotated[float, Meta(ge=0)] = 30.0
     metrics_port: Port = 9464
     metrics_host: str = "0.0.0.0"

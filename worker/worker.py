@@ -1,7 +1,10 @@
-"""The Worker composes intake, runner, emitter, offset commits and ops.
+"""The Worker composes intake, admission, runner, emitter, offset commits and ops.
 
-Tasks: one intake loop (reads records, pauses partitions when full), one commit
-loop, and one task per request taken (bounded by `max_in_flight`).
+Tasks: one intake loop per latency class (micro-batched reads, per-class
+pause/resume), one dispatcher (admission policy -> engine), one commit loop,
+and one task per request admitted (bounded by the per-class engine caps).
+Nothing queues without bound: a class whose waiting queue is full has its
+partitions paused, which keeps the consumer polling and the group membership.
 """
 
 from __future__ import annotations
@@ -13,17 +16,24 @@ import structlog
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 
-from schemas import BadRequest, ErrorReply, RequestCodec
-from topics import Catalog
+from schemas import BadRequest, ErrorCode, ErrorReply, RequestCodec
+from topics import Catalog, Topic
 from worker import metrics
 from worker.answers import AnswerStore
 from worker.emitter import Emitter
 from worker.engine import Engine, EngineDead
 from worker.offsets import OffsetTracker
+from worker.policy import ClassPolicy, Scheduler
 from worker.runner import Job, Runner
 from worker.settings import Settings
 
 log = structlog.get_logger("sluice.worker")
+MAX_REJECTS_IN_FLIGHT = 256
+
+
+def class_policy(topic: Topic) -> ClassPolicy:
+    return ClassPolicy(topic.latency_class, topic.priority, topic.max_in_engine, topic.contended_in_engine,
+                       topic.min_in_engine, topic.max_waiting, topic.window_ms, topic.batch_size, topic.slo_ms)
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -55,14 +65,18 @@ class Worker:
             fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
             max_partition_fetch_bytes=max(1 << 20, 2 * settings.max_record_bytes),
         )
-        self.runner = Runner(engine, self.emitter, self.answers, settings.limits(), self.is_running)
-        self._classes = {t.name: t for t in catalog.requests}
-        self._tasks: dict[asyncio.Task, tuple] = {}  # request task -> (tp, class)
-        self._intake_task: asyncio.Task | None = None
+        self.runner = Runner(engine, self.emitter, self.answers, settings.limits(), self.is_running,
+                             settings.stream_chunk_tokens, settings.stream_chunk_ms)
+        self._topics = {t.name: t for t in catalog.requests}
+        self.scheduler = Scheduler([class_policy(t) for t in catalog.requests], settings.max_num_seqs)
+        self._tasks: dict[asyncio.Task, object] = {}  # answer task -> its partition
+        self._rejects = 0
+        self._loops: list[asyncio.Task] = []
         self._commit_task: asyncio.Task | None = None
+        self._wake = asyncio.Event()  # something to admit, or a slot freed
         self._stopping = asyncio.Event()
         self._failed: BaseException | None = None
-        self._paused = False
+        self.paused: dict[str, bool] = {t.latency_class: False for t in catalog.requests}
         self.ready = False
 
     # -- lifecycle ---------------------------------------------------------------
@@ -72,31 +86,34 @@ class Worker:
     async def start(self) -> None:
         await self.answers.start()
         await self.emitter.start()
-        self.consumer.subscribe([t.name for t in self.catalog.requests], listener=_Rebalance(self))
+        self.consumer.subscribe(list(self._topics), listener=_Rebalance(self))
         await self.consumer.start()
         metrics.engine_up.set(1)
-        self._intake_task = asyncio.create_task(self._intake(), name="sluice-intake")
+        self._loops = [asyncio.create_task(self._intake(t), name=f"sluice-intake-{t.latency_class}")
+                       for t in self.catalog.requests]
+        self._loops.append(asyncio.create_task(self._dispatch(), name="sluice-dispatch"))
         self._commit_task = asyncio.create_task(self._commit_loop(), name="sluice-commit")
         self.ready = True
-        log.info("worker_started", group=self.settings.group_id, topics=list(self._classes))
+        log.info("worker_started", group=self.settings.group_id, topics=list(self._topics))
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Drain: stop reading, let in-flight requests finish within the grace period, commit."""
+        """Drain: stop reading and admitting, let running requests finish within the grace period, commit."""
         grace = self.settings.drain_grace_s if grace_s is None else grace_s
         self.ready = False
         self._stopping.set()
-        if self._intake_task:
-            self._intake_task.cancel()
-            await asyncio.gather(self._intake_task, return_exceptions=True)
+        for task in self._loops:
+            task.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
         pending = list(self._tasks)
         if pending:
-            log.info("draining", in_flight=len(pending), grace_s=grace)
-            done, not_done = await asyncio.wait(pending, timeout=grace) if grace > 0 else (set(), set(pending))
+            log.info("draining", in_flight=len(pending), waiting=self.scheduler.waiting(), grace_s=grace)
+            _, not_done = await asyncio.wait(pending, timeout=grace) if grace > 0 else (set(), set(pending))
             for task in not_done:
                 task.cancel()  # cancelling the engine stream aborts the request in vLLM
             await asyncio.gather(*not_done, return_exceptions=True)
             if not_done:
                 log.warning("drain_timeout", abandoned=len(not_done))
+        # Requests still waiting were never started: left uncommitted, another worker reads them.
         if self._commit_task:
             self._commit_task.cancel()
             await asyncio.gather(self._commit_task, return_exceptions=True)
@@ -107,80 +124,125 @@ class Worker:
         log.info("worker_stopped")
 
     async def run_until(self, stop_event: asyncio.Event) -> None:
-        """Run until `stop_event` is set or the engine dies; raises EngineDead in that case."""
+        """Run until `stop_event` is set or a request could not be answered (engine dead, broker gone)."""
         waiter = asyncio.create_task(stop_event.wait())
+        failed = asyncio.create_task(self._stopping.wait())
         try:
-            await asyncio.wait([waiter, self._intake_task], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([waiter, failed], return_when=asyncio.FIRST_COMPLETED)
         finally:
             waiter.cancel()
+            failed.cancel()
         await self.stop()
         if self._failed is not None:
             raise self._failed
 
     # -- intake ------------------------------------------------------------------
-    async def _intake(self) -> None:
-        limit = self.settings.max_in_flight
+    async def _intake(self, topic: Topic) -> None:
+        cls, policy = topic.latency_class, class_policy(topic)
+        poll_ms = self.settings.kafka_fetch_max_wait_ms
         while not self._stopping.is_set():
-            self._backpressure(limit)
-            room = max(1, limit - len(self._tasks))
+            tps = [tp for tp in self.consumer.assignment() if tp.topic == topic.name]
+            if not tps or not self._backpressure(cls, tps) or self._rejects >= MAX_REJECTS_IN_FLIGHT:
+                await asyncio.sleep(poll_ms / 1000)
+                continue
+            room = max(1, min(policy.batch_size, policy.max_waiting - self.scheduler.waiting(cls)))
             try:
-                batches = await self.consumer.getmany(timeout_ms=100, max_records=room)
+                got = await self.consumer.getmany(*tps, timeout_ms=poll_ms, max_records=room)
+                n = sum(map(len, got.values()))
+                if n and n < room and policy.window_ms:
+                    # Micro-batch: give the window a chance to fill before admitting.
+                    await asyncio.sleep(policy.window_ms / 1000)
+                    more = await self.consumer.getmany(*tps, timeout_ms=0, max_records=room - n)
+                    for tp, recs in more.items():
+                        got.setdefault(tp, []).extend(recs)
             except KafkaError as exc:
                 log.warning("fetch_failed", error=repr(exc), retriable=exc.retriable)
                 await asyncio.sleep(0.5)
                 continue
-            for tp, records in batches.items():
+            for tp, records in got.items():
                 for record in records:
-                    self._take(tp, record)
-            if self._failed is not None:
-                return
+                    self._take(topic, tp, record)
+            if got:
+                self._wake.set()
 
-    def _backpressure(self, limit: int) -> None:
-        """Pause every assigned partition while the worker holds `limit` requests."""
-        full = len(self._tasks) >= limit
-        assigned = self.consumer.assignment()
-        if full and not self._paused:
-            self.consumer.pause(*assigned)
-            self._paused = True
-            metrics.paused_partitions.set(len(assigned))
-        elif not full and self._paused:
-            self.consumer.resume(*assigned)
-            self._paused = False
-            metrics.paused_partitions.set(0)
+    def _backpressure(self, cls: str, tps) -> bool:
+        """Pause the class's partitions while its waiting queue is full; True when reading."""
+        if self.scheduler.should_pause(cls):
+            if not self.paused[cls]:
+                log.info("partitions_paused", cls=cls, waiting=self.scheduler.waiting(cls))
+            self.paused[cls] = True
+        elif self.paused[cls] and self.scheduler.should_resume(cls):
+            self.paused[cls] = False
+            self.consumer.resume(*tps)
+            log.info("partitions_resumed", cls=cls, waiting=self.scheduler.waiting(cls))
+        if self.paused[cls]:
+            self.consumer.pause(*tps)  # again each time: a rebalance may have added partitions
+        metrics.paused_partitions.labels(cls).set(len(tps) if self.paused[cls] else 0)
+        return not self.paused[cls]
 
-    def _take(self, tp, record) -> None:
-        topic = self._classes[record.topic]
+    def _take(self, topic: Topic, tp, record) -> None:
         cls = topic.latency_class
         metrics.records_consumed.labels(cls).inc()
         self.tracker.take(tp, record.offset)
         try:
             request = self.codec.decode(record.value, record.headers, record.key)
         except BadRequest as bad:
-            coro = self._reject(tp, record, bad)
-        else:
-            job = Job(request, cls, topic.priority, request.reply_to or self.catalog.replies.name,
-                      tp, record.offset, record.timestamp)
-            coro = self.runner.serve(job)
-        task = asyncio.create_task(coro)
-        self._tasks[task] = (tp, cls)
-        metrics.in_flight.labels(cls).inc()
-        task.add_done_callback(lambda t, tp=tp, off=record.offset: self._finished(t, tp, off))
+            self._rejects += 1
+            self._spawn(self._reject(tp, record, bad), cls, tp, record.offset, engine_slot=False)
+            return
+        job = Job(request, cls, topic.priority, request.reply_to or self.catalog.replies.name,
+                  tp, record.offset, record.timestamp)
+        self.scheduler.add(cls, job, record.timestamp, request.deadline_ms)
+        metrics.waiting.labels(cls).set(self.scheduler.waiting(cls))
 
     async def _reject(self, tp, record, bad: BadRequest) -> None:
-        if bad.id is not None:
-            topic = bad.reply_to or self.catalog.replies.name
-            await self.emitter.final(topic, ErrorReply(bad.id, bad.code, bad.message), self.is_running)
-            route = "reply"
-        else:
-            await self.emitter.dead_letter(record, bad.code.value, bad.message, self.is_running)
-            route = "dlq"
+        try:
+            if bad.id is not None:
+                topic = bad.reply_to or self.catalog.replies.name
+                await self.emitter.final(topic, ErrorReply(bad.id, bad.code, bad.message), self.is_running)
+                route = "reply"
+            else:
+                await self.emitter.dead_letter(record, bad.code.value, bad.message, self.is_running)
+                route = "dlq"
+        finally:
+            self._rejects -= 1
         metrics.bad_records.labels(bad.code.value, route).inc()
         log.info("bad_record", code=bad.code.value, route=route, topic=record.topic, partition=record.partition,
                  offset=record.offset, request_id=bad.id, reason=bad.message)
 
-    def _finished(self, task: asyncio.Task, tp, offset: int) -> None:
-        _, cls = self._tasks.pop(task)
-        metrics.in_flight.labels(cls).dec()
+    # -- admission ---------------------------------------------------------------
+    async def _dispatch(self) -> None:
+        while not self._stopping.is_set():
+            await self._wake.wait()
+            self._wake.clear()
+            admitted, expired = self.scheduler.admit(int(time.time() * 1000))
+            for cls, job in expired:
+                self._spawn(self._expire(job), cls, job.tp, job.offset, engine_slot=False)
+            for cls, job in admitted:
+                self._spawn(self.runner.serve(job), cls, job.tp, job.offset, engine_slot=True)
+            for p in self.scheduler.policies:
+                metrics.waiting.labels(p.name).set(self.scheduler.waiting(p.name))
+                metrics.in_engine.labels(p.name).set(self.scheduler.running(p.name))
+            if self.scheduler.waiting():
+                # Deadlines move with the clock: look again soon even if nothing else happens.
+                asyncio.get_running_loop().call_later(0.05, self._wake.set)
+
+    async def _expire(self, job: Job) -> None:
+        reply = ErrorReply(job.request.id, ErrorCode.DEADLINE_EXCEEDED,
+                           f"deadline {job.request.deadline_ms} passed before the request ran")
+        await self.emitter.final(job.reply_to, reply, self.is_running)
+        metrics.requests_completed.labels(job.latency_class, ErrorCode.DEADLINE_EXCEEDED.value).inc()
+
+    def _spawn(self, coro, cls: str, tp, offset: int, engine_slot: bool) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks[task] = tp
+        task.add_done_callback(lambda t: self._finished(t, cls, tp, offset, engine_slot))
+
+    def _finished(self, task: asyncio.Task, cls: str, tp, offset: int, engine_slot: bool) -> None:
+        self._tasks.pop(task, None)
+        if engine_slot:
+            self.scheduler.release(cls)
+            self._wake.set()
         if task.cancelled():
             return  # not answered: the record stays uncommitted and is read again
         exc = task.exception()
@@ -223,12 +285,15 @@ class Worker:
         """Give in-flight requests of revoked partitions a moment, commit, then let go."""
         if not revoked:
             return
+        # Waiting requests were never started: the new owner reads them again.
+        dropped = self.scheduler.remove(lambda job: job.tp in revoked)
         end = time.monotonic() + min(10.0, self.settings.drain_grace_s)
-        while time.monotonic() < end and any(self.tracker.pending(tp) for tp in revoked):
+        while time.monotonic() < end and any(tp in revoked for tp in self._tasks.values()):
             await asyncio.sleep(0.05)
         await self._commit(only=revoked)
         self.tracker.forget(revoked)
-        log.info("partitions_revoked", partitions=sorted(f"{tp.topic}[{tp.partition}]" for tp in revoked))
+        log.info("partitions_revoked", partitions=sorted(f"{tp.topic}[{tp.partition}]" for tp in revoked),
+                 waiting_dropped=len(dropped))
 
     def in_flight(self) -> int:
-        return len(self._tasks)
+        return len(self._tasks) + self.scheduler.waiting()

@@ -1,0 +1,86 @@
+"""Admission policy, as a table of cases."""
+
+import pytest
+
+from worker.policy import ClassPolicy, Scheduler
+
+RT = ClassPolicy("realtime", 0, max_in_engine=8, contended_in_engine=8)
+ST = ClassPolicy("standard", 5, max_in_engine=8, contended_in_engine=4)
+BA = ClassPolicy("batch", 10, max_in_engine=8, contended_in_engine=2, min_in_engine=1)
+
+
+def sched(total=16):
+    return Scheduler([BA, RT, ST], max_in_engine=total)
+
+
+# (name, running before, waiting (class, id, arrived, deadline), engine cap, expected admitted ids, expired ids)
+CASES = [
+    ("realtime first", {}, [("batch", "b1", 0, None), ("realtime", "r1", 5, None)], 16, ["r1", "b1"], []),
+    ("batch alone uses its full cap", {}, [("batch", f"b{i}", i, None) for i in range(10)], 16,
+     [f"b{i}" for i in range(8)], []),
+    ("batch held to contended cap while realtime waits", {"realtime": 8},
+     [("realtime", "r9", 0, None)] + [("batch", f"b{i}", i, None) for i in range(5)], 16, ["b0", "b1"], []),
+    ("batch floor even when the engine is full", {"realtime": 8, "standard": 8},
+     [("batch", "b0", 0, None), ("batch", "b1", 1, None)], 16, ["b0"], []),
+    ("earliest deadline first within a class", {},
+     [("standard", "late", 0, 9_000), ("standard", "soon", 5, 2_000), ("standard", "none", 1, None)], 16,
+     ["soon", "late", "none"], []),
+    ("oldest first without deadlines", {}, [("standard", "n2", 20, None), ("standard", "n1", 10, None)], 16,
+     ["n1", "n2"], []),
+    ("expired never admitted", {}, [("realtime", "dead", 0, 999), ("realtime", "alive", 0, 5_000)], 16,
+     ["alive"], ["dead"]),
+    ("engine total respected", {"standard": 3}, [("realtime", f"r{i}", i, None) for i in range(6)], 6,
+     ["r0", "r1", "r2"], []),
+    ("standard contended by realtime", {"realtime": 1}, [("standard", f"s{i}", i, None) for i in range(6)], 16,
+     ["s0", "s1", "s2", "s3"], []),
+]
+
+
+@pytest.mark.parametrize("name,running,waiting,total,admitted,expired", CASES, ids=[c[0] for c in CASES])
+def test_admission(name, running, waiting, total, admitted, expired):
+    s = sched(total)
+    for cls, n in running.items():
+        s._running[cls] = n
+    for cls, rid, arrived, deadline in waiting:
+        s.add(cls, rid, arrived, deadline)
+    got, gone = s.admit(now_ms=1_000)
+    assert [item for _, item in got] == admitted
+    assert [item for _, item in gone] == expired
+
+
+def test_release_frees_a_slot():
+    s = sched()
+    for i in range(10):
+        s.add("batch", i, i)
+    first, _ = s.admit(0)
+    assert len(first) == 8 and s.admit(0) == ([], [])
+    s.release("batch")
+    assert s.admit(0) == ([("batch", 8)], [])
+
+
+def test_batch_progresses_under_continuous_realtime():
+    s = sched()
+    done_batch = 0
+    for tick in range(200):
+        s.add("realtime", f"r{tick}", tick)
+        s.add("batch", f"b{tick}", tick)
+        admitted, _ = s.admit(tick)
+        for cls, _ in admitted:  # everything admitted finishes within the tick
+            s.release(cls)
+            done_batch += cls == "batch"
+    assert done_batch >= 200 * BA.min_in_engine * 0.9
+
+
+def test_pause_and_resume_thresholds():
+    small = ClassPolicy("batch", 10, 2, 1, max_waiting=4)
+    s = Scheduler([small], 16)
+    for i in range(4):
+        s.add("batch", i, i)
+    assert s.should_pause("batch") and not s.should_resume("batch")
+    s.admit(0)
+    assert not s.should_pause("batch") and s.should_resume("batch")
+
+
+def test_invalid_policy():
+    with pytest.raises(ValueError):
+        ClassPolicy("x", 0, max_in_engine=2, contended_in_engine=3)

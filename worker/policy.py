@@ -1,0 +1,117 @@
+"""Admission policy: which waiting request enters the engine next. Pure Python, no I/O.
+
+Classes are served in priority order (realtime, standard, batch). Each class
+has its own cap on requests in the engine; while a higher class has work
+(waiting or running), lower classes are held to a smaller `contended` cap, but
+never below `min_in_engine`, so batch keeps progressing under a realtime stream.
+Within a class: earliest deadline first, then oldest first. A request whose
+deadline has passed is expired here and never reaches the engine.
+
+vLLM's priority scheduling orders its own waiting queue, but does not stop
+admitted batch work from filling every step; bounding what enters is what keeps
+realtime latency flat.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ClassPolicy:
+    name: str
+    priority: int  # lower runs first; also passed to vLLM
+    max_in_engine: int  # cap when no higher class has work
+    contended_in_engine: int  # cap while a higher class has work
+    min_in_engine: int = 1  # floor under contention: no starvation
+    max_waiting: int = 256  # past this, the class's partitions are paused
+    window_ms: int = 0  # intake micro-batch window
+    batch_size: int = 64  # intake micro-batch size
+    target_ms: int | None = None  # latency objective (reported, not enforced)
+
+    def __post_init__(self):
+        if not (0 < self.min_in_engine <= self.contended_in_engine <= self.max_in_engine):
+            raise ValueError(f"{self.name}: need 0 < min_in_engine <= contended_in_engine <= max_in_engine")
+
+
+_NO_DEADLINE = 1 << 62
+
+
+@dataclass(order=True)
+class _Entry:
+    deadline_ms: int
+    arrived_ms: int
+    tie: int
+    item: Any = field(compare=False)
+
+
+class Scheduler:
+    def __init__(self, policies: list[ClassPolicy], max_in_engine: int):
+        self.policies = sorted(policies, key=lambda p: p.priority)
+        self.by_name = {p.name: p for p in self.policies}
+        self.max_in_engine = max_in_engine
+        self._waiting: dict[str, list[_Entry]] = {p.name: [] for p in self.policies}
+        self._running: dict[str, int] = {p.name: 0 for p in self.policies}
+        self._tie = itertools.count()
+
+    def add(self, cls: str, item, arrived_ms: int, deadline_ms: int | None = None) -> None:
+        entry = _Entry(_NO_DEADLINE if deadline_ms is None else deadline_ms, arrived_ms, next(self._tie), item)
+        heapq.heappush(self._waiting[cls], entry)
+
+    def waiting(self, cls: str | None = None) -> int:
+        return len(self._waiting[cls]) if cls else sum(map(len, self._waiting.values()))
+
+    def running(self, cls: str | None = None) -> int:
+        return self._running[cls] if cls else sum(self._running.values())
+
+    def release(self, cls: str) -> None:
+        """A request admitted earlier has finished (or failed) and left the engine."""
+        self._running[cls] -= 1
+
+    def remove(self, predicate) -> list:
+        """Take waiting items out (their partitions were revoked); returns them."""
+        removed = []
+        for name, queue in self._waiting.items():
+            keep = [e for e in queue if not predicate(e.item)]
+            removed += [e.item for e in queue if predicate(e.item)]
+            heapq.heapify(keep)
+            self._waiting[name] = keep
+        return removed
+
+    def cap(self, cls: str) -> int:
+        policy = self.by_name[cls]
+        higher_busy = any(
+            self._waiting[p.name] or self._running[p.name] for p in self.policies if p.priority < policy.priority
+        )
+        return policy.contended_in_engine if higher_busy else policy.max_in_engine
+
+    def should_pause(self, cls: str) -> bool:
+        return len(self._waiting[cls]) >= self.by_name[cls].max_waiting
+
+    def should_resume(self, cls: str) -> bool:
+        return len(self._waiting[cls]) <= self.by_name[cls].max_waiting // 2
+
+    def admit(self, now_ms: int) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+        """(admitted, expired) as (class, item) pairs, admitted in the order they should start."""
+        expired: list[tuple[str, Any]] = []
+        for p in self.policies:
+            queue = self._waiting[p.name]
+            if any(e.deadline_ms <= now_ms for e in queue):
+                keep = []
+                for e in queue:
+                    (expired.append((p.name, e.item)) if e.deadline_ms <= now_ms else keep.append(e))
+                heapq.heapify(keep)
+                self._waiting[p.name] = keep
+        admitted: list[tuple[str, Any]] = []
+        for p in self.policies:
+            queue = self._waiting[p.name]
+            # The floor applies even when the engine is full, so lower classes never starve.
+            while queue and self._running[p.name] < self.cap(p.name) and (
+                self.running() < self.max_in_engine or self._running[p.name] < p.min_in_engine
+            ):
+                admitted.append((p.name, heapq.heappop(queue).item))
+                self._running[p.name] += 1
+        return admitted, expired
