@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import msgspec
@@ -12,6 +13,10 @@ async def running_worker(settings, catalog, engine, **overrides):
     s = msgspec.structs.replace(settings, **overrides)
     w = Worker(s, catalog, engine)
     await w.start()
+    for _ in range(300):  # joined the group and owns partitions
+        if w.consumer.assignment():
+            break
+        await asyncio.sleep(0.1)
     try:
         yield w
     finally:
