@@ -28,6 +28,8 @@ time_to_first_token = Histogram("sluice_time_to_first_token_seconds", "From reco
                                 ["class"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
 end_to_end = Histogram("sluice_end_to_end_seconds", "From record timestamp to done/error produced",
                        ["class"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
+suspended = Counter("sluice_requests_suspended_total", "Running requests suspended for a higher class",
+                    ["class"], registry=REGISTRY)
 commits = Counter("sluice_offset_commits_total", "Offset commits", ["result"], registry=REGISTRY)
 redis_up = Gauge("sluice_redis_up", "1 when Redis Cluster answers, 0 while degraded", registry=REGISTRY)
 engine_up = Gauge("sluice_engine_up", "1 while the engine serves", registry=REGISTRY)

@@ -2,8 +2,11 @@
 
 Classes are served in priority order (realtime, standard, batch). Each class
 has its own cap on requests in the engine; while a higher class has work
-(waiting or running), lower classes are held to a smaller `contended` cap, but
-never below `min_in_engine`, so batch keeps progressing under a realtime stream.
+(waiting or running, or had some within the last `hold_ms`), lower classes are
+held to a smaller `contended` cap, but never below `min_in_engine`, so batch
+keeps progressing under a realtime stream. The hold matters: admitted work
+cannot be taken back, so a lower class that filled the engine during a gap
+between two realtime requests would slow the next one.
 Within a class: earliest deadline first, then oldest first. A request whose
 deadline has passed is expired here and never reaches the engine.
 
@@ -49,8 +52,11 @@ class _Entry:
 
 
 class Scheduler:
-    def __init__(self, policies: list[ClassPolicy], max_in_engine: int):
+    def __init__(self, policies: list[ClassPolicy], max_in_engine: int, hold_ms: int = 5000):
         self.policies = sorted(policies, key=lambda p: p.priority)
+        self.hold_ms = hold_ms
+        self._busy_ms: dict[str, int] = {p.name: -(1 << 62) for p in self.policies}
+        self._now_ms = 0
         self.by_name = {p.name: p for p in self.policies}
         self.max_in_engine = max_in_engine
         self._waiting: dict[str, list[_Entry]] = {p.name: [] for p in self.policies}
@@ -84,9 +90,25 @@ class Scheduler:
     def cap(self, cls: str) -> int:
         policy = self.by_name[cls]
         higher_busy = any(
-            self._waiting[p.name] or self._running[p.name] for p in self.policies if p.priority < policy.priority
+            self._waiting[p.name] or self._running[p.name] or self._now_ms - self._busy_ms[p.name] < self.hold_ms
+            for p in self.policies if p.priority < policy.priority
         )
         return policy.contended_in_engine if higher_busy else policy.max_in_engine
+
+    def overcommitted(self) -> dict[str, int]:
+        """How many running requests each class should give back while a higher class has work.
+
+        Admitted work slows every engine step, so a realtime request running beside a
+        full batch still pays for it: the excess is suspended, not just kept out.
+        """
+        out = {}
+        for p in self.policies:
+            higher = [h.name for h in self.policies if h.priority < p.priority]
+            higher_active = any(self._waiting[h] or self._running[h] for h in higher)
+            excess = self._running[p.name] - max(self.cap(p.name), p.min_in_engine)
+            if higher_active and excess > 0:
+                out[p.name] = excess
+        return out
 
     def should_pause(self, cls: str) -> bool:
         return len(self._waiting[cls]) >= self.by_name[cls].max_waiting
@@ -96,6 +118,10 @@ class Scheduler:
 
     def admit(self, now_ms: int) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
         """(admitted, expired) as (class, item) pairs, admitted in the order they should start."""
+        self._now_ms = now_ms
+        for p in self.policies:
+            if self._waiting[p.name] or self._running[p.name]:
+                self._busy_ms[p.name] = now_ms
         expired: list[tuple[str, Any]] = []
         for p in self.policies:
             queue = self._waiting[p.name]

@@ -1,7 +1,15 @@
-"""One request through the engine: limits, generation, streamed tokens, the final reply."""
+"""One request through the engine: limits, generation, streamed tokens, the final reply.
+
+A running request can be suspended (a higher class needs its engine slot): the
+engine request is aborted, what was generated stays on the `Job`, and when the
+job is admitted again it continues with prompt + generated tokens as its prefix
+(vLLM's prefix cache holds most of that KV), the remaining `max_tokens`, and
+the next reply seq, so readers see one gapless stream.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -23,13 +31,27 @@ class Job:
     tp: object
     offset: int
     timestamp_ms: int  # record timestamp: when the producer published it
-    picked_at: float = field(default_factory=time.time)
+    # progress, kept across suspensions
+    prompt_ids: list[int] | None = None
+    generated: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    seq: int = 0
+    segments: int = 0
+    suspend: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class Rejected(Exception):
     def __init__(self, code: ErrorCode, message: str):
         super().__init__(message)
         self.code, self.message = code, message
+
+
+class Suspended(Exception):
+    """The job left the engine for a higher class; it waits to be admitted again."""
+
+    def __init__(self, job: Job):
+        super().__init__(job.request.id)
+        self.job = job
 
 
 def _now_ms() -> int:
@@ -61,22 +83,22 @@ class Runner:
             request_id=req.id, cls=job.latency_class, partition=getattr(job.tp, "partition", None), offset=job.offset)
         cls = job.latency_class
         try:
-            stored = await self.answers.get(req.id)
-            if stored is not None:
-                # Answered before (a repeat of the id): re-send the same final reply, run nothing.
-                metrics.duplicates.labels(cls).inc()
-                reply = self.emitter.codec.decode(stored)
-                await self.emitter.final(job.reply_to, reply, self.running)
-                log.info("duplicate_answered_from_store")
-                return
-            if req.deadline_ms is not None and _now_ms() >= req.deadline_ms:
-                raise Rejected(ErrorCode.DEADLINE_EXCEEDED, f"deadline {req.deadline_ms} passed before the request ran")
-            prompt_ids = self.engine.prompt_ids(req)
-            params = self.params(req, len(prompt_ids))
-            final = await self._generate(job, prompt_ids, params, log)
+            if job.segments == 0:
+                stored = await self.answers.get(req.id)
+                if stored is not None:
+                    # Answered before (a repeat of the id): re-send the same final reply, run nothing.
+                    metrics.duplicates.labels(cls).inc()
+                    await self.emitter.final(job.reply_to, self.emitter.codec.decode(stored), self.running)
+                    log.info("duplicate_answered_from_store")
+                    return
+                if req.deadline_ms is not None and _now_ms() >= req.deadline_ms:
+                    raise Rejected(ErrorCode.DEADLINE_EXCEEDED,
+                                   f"deadline {req.deadline_ms} passed before the request ran")
+                job.prompt_ids = self.engine.prompt_ids(req)
+            final = await self._generate(job, self.params(req, len(job.prompt_ids)), log)
         except Rejected as exc:
             final = ErrorReply(req.id, exc.code, exc.message)
-        except EngineDead:
+        except (EngineDead, Suspended, asyncio.CancelledError):
             raise
         except Exception as exc:  # one request's failure never stops the worker
             log.exception("request_failed")
@@ -86,19 +108,25 @@ class Runner:
         metrics.requests_completed.labels(cls, outcome).inc()
         metrics.end_to_end.labels(cls).observe(max(0.0, time.time() - job.timestamp_ms / 1000))
         await self.answers.put(req.id, payload)
-        log.info("request_answered", outcome=outcome)
+        log.info("request_answered", outcome=outcome, segments=job.segments)
 
-    async def _generate(self, job: Job, prompt_ids: list[int], params: GenParams, log) -> DoneReply:
+    async def _generate(self, job: Job, params: GenParams, log) -> DoneReply:
         req, cls = job.request, job.latency_class
-        engine_id = f"{req.id}@{getattr(job.tp, 'partition', 0)}:{job.offset}"
+        job.segments += 1
+        job.suspend.clear()
+        engine_id = f"{req.id}@{getattr(job.tp, 'partition', 0)}:{job.offset}#{job.segments}"
+        remaining = params.max_tokens - len(job.generated)
+        params = GenParams(remaining, params.temperature, params.top_p, params.seed, params.stop)
         chunk = _Chunk(self, job) if req.stream else None
-        texts, n_tokens, finish = [], 0, "stop"
-        async for delta in self.engine.generate(engine_id, prompt_ids, params, job.priority):
+        finish = "stop"
+        new_tokens = 0
+        async for delta in self.engine.generate(engine_id, job.prompt_ids + job.generated, params, job.priority):
             if delta.token_ids:
-                if n_tokens == 0:
+                if not job.generated:
                     metrics.time_to_first_token.labels(cls).observe(max(0.0, time.time() - job.timestamp_ms / 1000))
-                n_tokens += len(delta.token_ids)
-                texts.append(delta.text)
+                job.generated.extend(delta.token_ids)
+                job.texts.append(delta.text)
+                new_tokens += len(delta.token_ids)
                 if chunk is not None:
                     await chunk.add(delta.text, delta.token_ids)
             if delta.finish_reason is not None:
@@ -107,10 +135,19 @@ class Runner:
                 await self.engine.abort(engine_id)
                 finish = "deadline"
                 break
-        seq = await chunk.flush() if chunk is not None else 0
-        metrics.tokens_generated.labels(cls).inc(n_tokens)
-        metrics.prompt_tokens.labels(cls).inc(len(prompt_ids))
-        return DoneReply(req.id, seq, "".join(texts), finish, Usage(len(prompt_ids), n_tokens))
+            elif job.suspend.is_set():
+                await self.engine.abort(engine_id)
+                if chunk is not None:
+                    await chunk.flush()
+                metrics.tokens_generated.labels(cls).inc(new_tokens)
+                metrics.suspended.labels(cls).inc()
+                log.debug("suspended", generated=len(job.generated))
+                raise Suspended(job)
+        if chunk is not None:
+            await chunk.flush()
+        metrics.tokens_generated.labels(cls).inc(new_tokens)
+        metrics.prompt_tokens.labels(cls).inc(len(job.prompt_ids))
+        return DoneReply(req.id, job.seq, "".join(job.texts), finish, Usage(len(job.prompt_ids), len(job.generated)))
 
 
 class _Chunk:
@@ -118,7 +155,6 @@ class _Chunk:
 
     def __init__(self, runner: Runner, job: Job):
         self.runner, self.job = runner, job
-        self.seq = 0
         self.texts: list[str] = []
         self.ids: list[int] = []
         self.since = 0.0
@@ -128,15 +164,13 @@ class _Chunk:
             self.since = time.monotonic()
         self.texts.append(text)
         self.ids.extend(ids)
-        if (self.seq == 0 or len(self.ids) >= self.runner.chunk_tokens
+        if (self.job.seq == 0 or len(self.ids) >= self.runner.chunk_tokens
                 or time.monotonic() - self.since >= self.runner.chunk_s):
             await self.flush()
 
-    async def flush(self) -> int:
-        """Send what is buffered; returns the next seq (the done record's seq)."""
+    async def flush(self) -> None:
         if self.ids:
-            reply = TokenReply(self.job.request.id, self.seq, "".join(self.texts), self.ids)
+            reply = TokenReply(self.job.request.id, self.job.seq, "".join(self.texts), self.ids)
             await self.runner.emitter.token(self.job.reply_to, reply)
-            self.seq += 1
+            self.job.seq += 1
             self.texts, self.ids = [], []
-        return self.seq

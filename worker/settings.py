@@ -56,6 +56,8 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     cpu_kvcache_gib: Positive = 2
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.85
     # Worker
+    # Lower classes stay at their contended cap this long after a higher class had work.
+    contention_hold_ms: Annotated[int, Meta(ge=0)] = 5000
     # Token records: the first token goes out at once; later ones are coalesced into
     # one record per `stream_chunk_tokens` tokens or `stream_chunk_ms`, whichever first.
     stream_chunk_tokens: Positive = 8

@@ -24,7 +24,7 @@ from worker.emitter import Emitter
 from worker.engine import Engine, EngineDead
 from worker.offsets import OffsetTracker
 from worker.policy import ClassPolicy, Scheduler
-from worker.runner import Job, Runner
+from worker.runner import Job, Runner, Suspended
 from worker.settings import Settings
 
 log = structlog.get_logger("sluice.worker")
@@ -68,8 +68,10 @@ class Worker:
         self.runner = Runner(engine, self.emitter, self.answers, settings.limits(), self.is_running,
                              settings.stream_chunk_tokens, settings.stream_chunk_ms)
         self._topics = {t.name: t for t in catalog.requests}
-        self.scheduler = Scheduler([class_policy(t) for t in catalog.requests], settings.max_num_seqs)
+        self.scheduler = Scheduler([class_policy(t) for t in catalog.requests], settings.max_num_seqs,
+                                   settings.contention_hold_ms)
         self._tasks: dict[asyncio.Task, object] = {}  # answer task -> its partition
+        self._engine_jobs: dict[asyncio.Task, Job] = {}  # tasks holding an engine slot
         self._rejects = 0
         self._loops: list[asyncio.Task] = []
         self._commit_task: asyncio.Task | None = None
@@ -219,7 +221,9 @@ class Worker:
             for cls, job in expired:
                 self._spawn(self._expire(job), cls, job.tp, job.offset, engine_slot=False)
             for cls, job in admitted:
-                self._spawn(self.runner.serve(job), cls, job.tp, job.offset, engine_slot=True)
+                task = self._spawn(self.runner.serve(job), cls, job.tp, job.offset, engine_slot=True)
+                self._engine_jobs[task] = job
+            self._preempt()
             for p in self.scheduler.policies:
                 metrics.waiting.labels(p.name).set(self.scheduler.waiting(p.name))
                 metrics.in_engine.labels(p.name).set(self.scheduler.running(p.name))
@@ -227,19 +231,30 @@ class Worker:
                 # Deadlines move with the clock: look again soon even if nothing else happens.
                 asyncio.get_running_loop().call_later(0.05, self._wake.set)
 
+    def _preempt(self) -> None:
+        """Suspend lower-class requests holding slots a waiting higher class needs."""
+        for cls, excess in self.scheduler.overcommitted().items():
+            jobs = [j for j in self._engine_jobs.values() if j.latency_class == cls]
+            excess -= sum(j.suspend.is_set() for j in jobs)
+            # Those with the least generated lose the least if their KV is evicted meanwhile.
+            for job in sorted((j for j in jobs if not j.suspend.is_set()), key=lambda j: len(j.generated))[:excess]:
+                job.suspend.set()
+
     async def _expire(self, job: Job) -> None:
         reply = ErrorReply(job.request.id, ErrorCode.DEADLINE_EXCEEDED,
                            f"deadline {job.request.deadline_ms} passed before the request ran")
         await self.emitter.final(job.reply_to, reply, self.is_running)
         metrics.requests_completed.labels(job.latency_class, ErrorCode.DEADLINE_EXCEEDED.value).inc()
 
-    def _spawn(self, coro, cls: str, tp, offset: int, engine_slot: bool) -> None:
+    def _spawn(self, coro, cls: str, tp, offset: int, engine_slot: bool) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._tasks[task] = tp
         task.add_done_callback(lambda t: self._finished(t, cls, tp, offset, engine_slot))
+        return task
 
     def _finished(self, task: asyncio.Task, cls: str, tp, offset: int, engine_slot: bool) -> None:
         self._tasks.pop(task, None)
+        self._engine_jobs.pop(task, None)
         if engine_slot:
             self.scheduler.release(cls)
             self._wake.set()
@@ -248,6 +263,11 @@ class Worker:
         exc = task.exception()
         if exc is None:
             self.tracker.finish(tp, offset)
+            return
+        if isinstance(exc, Suspended):
+            if tp in self.tracker.partitions():  # still ours: wait for a slot again
+                job = exc.job
+                self.scheduler.add(cls, job, job.timestamp_ms, job.request.deadline_ms)
             return
         if isinstance(exc, EngineDead):
             log.error("engine_dead", error=str(exc))

@@ -7,7 +7,8 @@ import msgspec
 import pytest
 
 from loadgen.burst import ReplyReader, produce
-from schemas import DoneReply, ErrorReply
+from schemas import DoneReply, ErrorReply, TokenReply
+from worker import metrics
 from tests.integration.helpers import running_worker
 
 pytestmark = pytest.mark.integration
@@ -37,11 +38,13 @@ def _req(rid, max_tokens=24, **extra):
     return J({"id": rid, "prompt": f"Request {rid}: describe the weather today.", "max_tokens": max_tokens, **extra})
 
 
-async def _follow(reader, ids, timeout, on_final=None):
+async def _follow(reader, ids, timeout, on_final=None, tokens=None):
     finals, done_at = {}, {}
     end = time.monotonic() + timeout
     while set(ids) - set(finals) and time.monotonic() < end:
         async for r in reader.records():
+            if tokens is not None and isinstance(r, TokenReply):
+                assert tokens.setdefault(r.id, {}).setdefault(r.seq, r.text) == r.text
             if isinstance(r, (DoneReply, ErrorReply)) and r.id in ids:
                 finals[r.id], done_at[r.id] = r, time.monotonic()
                 if on_final:
@@ -57,12 +60,22 @@ async def test_realtime_overtakes_a_batch_backlog(settings, catalog, engine, gro
     async with running_worker(settings, catalog, engine, group_id=group_id):
         await produce(settings.kafka_bootstrap,
                       [(catalog.request_topic("batch").name, i.encode(), _req(i, 48), []) for i in batch_ids])
-        await asyncio.sleep(1.0)  # the backlog is read and running
+        await asyncio.sleep(1.0)  # the backlog is read and fills the engine
+        suspended = metrics.suspended.labels("batch")._value.get()
         await produce(settings.kafka_bootstrap,
                       [(catalog.request_topic("realtime").name, i.encode(), _req(i, 16), []) for i in rt_ids])
-        finals, done_at = await _follow(reader, batch_ids + rt_ids, 400)
+        tokens = {}
+        finals, done_at = await _follow(reader, batch_ids + rt_ids, 400, tokens=tokens)
     await reader.stop()
     assert all(isinstance(finals.get(i), DoneReply) for i in batch_ids + rt_ids), len(finals)
+    # Batch requests holding the engine were suspended for realtime and resumed later,
+    # and their streams stayed gapless and whole.
+    assert metrics.suspended.labels("batch")._value.get() > suspended
+    for i in batch_ids:
+        seqs = tokens.get(i, {})
+        assert sorted(seqs) == list(range(finals[i].seq)), i
+        assert "".join(seqs[k] for k in sorted(seqs)) == finals[i].text, i
+        assert finals[i].usage.completion_tokens == 48 or finals[i].finish_reason == "stop"
     last_rt = max(done_at[i] for i in rt_ids)
     batch_after = [i for i in batch_ids if done_at[i] > last_rt]
     # Realtime published after the whole backlog finishes while most of the backlog still waits.

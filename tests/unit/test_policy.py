@@ -71,6 +71,35 @@ def test_batch_progresses_under_continuous_realtime():
     assert done_batch >= 200 * BA.min_in_engine * 0.9
 
 
+def test_lower_class_stays_contended_for_the_hold_period():
+    s = Scheduler([RT, BA], max_in_engine=64, hold_ms=1000)
+    s.add("realtime", "r", 0)
+    s.admit(0)
+    s.release("realtime")  # realtime idle from t=0
+    for i in range(20):
+        s.add("batch", i, i)
+    got, _ = s.admit(500)  # within the hold: contended cap
+    assert len(got) == BA.contended_in_engine
+    got, _ = s.admit(1500)  # after the hold: the full cap
+    assert len(got) == BA.max_in_engine - BA.contended_in_engine
+
+
+@pytest.mark.parametrize("running,waiting,total,expected", [
+    ({"batch": 8}, ["realtime"], 64, {"batch": 6}),  # back to the contended cap (2)
+    ({"batch": 8}, [], 64, {}),  # nobody higher has work: keep running
+    ({"batch": 8, "realtime": 1}, [], 64, {"batch": 6}),  # realtime running beside a full batch
+    ({"batch": 2}, ["realtime"], 64, {}),  # already at the contended cap
+    ({"standard": 8, "batch": 2}, ["realtime"], 64, {"standard": 4}),
+    ({"batch": 1, "realtime": 64}, ["realtime"], 64, {}),  # the floor is never preempted
+])
+def test_overcommitted(running, waiting, total, expected):
+    s = sched(total)
+    s._running.update(running)
+    for cls in waiting:
+        s.add(cls, "x", 0)
+    assert s.overcommitted() == expected
+
+
 def test_pause_and_resume_thresholds():
     small = ClassPolicy("batch", 10, 2, 1, max_waiting=4)
     s = Scheduler([small], 16)
