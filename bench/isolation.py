@@ -33,11 +33,12 @@ from worker.worker import Worker  # noqa: E402
 OUT = Path(__file__).resolve().parent
 
 
-def body(rid: str, max_tokens: int, stream: bool = True) -> bytes:
+def body(rid: str, i: int, max_tokens: int, stream: bool = True) -> bytes:
+    """The prompt depends on `i` only, so every run sees the same prompts (and output lengths)."""
     return msgspec.json.encode({
         "id": rid, "max_tokens": max_tokens, "stream": stream,
-        "prompt": f"Transaction {rid}: amount 412.50 USD, merchant electronics, country BR, card not present, "
-                  f"7 transactions in 24h. Is it fraud? Answer:"})
+        "prompt": f"Transaction {i}: amount {10 + 7 * i % 900}.50 USD, merchant electronics, country BR, card not "
+                  f"present, {i % 13} transactions in 24h. Explain whether it is fraud:"})
 
 
 async def run(s, eng, mode: str, loaded: bool, args) -> list[float]:
@@ -66,7 +67,7 @@ async def run(s, eng, mode: str, loaded: bool, args) -> list[float]:
         async def backlog():
             await asyncio.sleep(args.backlog_after)  # a backfill lands while realtime flows
             await produce(s.kafka_bootstrap, [(cat.request_topic("batch").name, f"{tag}-bk{i}".encode(),
-                                               body(f"{tag}-bk{i}", args.batch_tokens, stream=False), [])
+                                               body(f"{tag}-bk{i}", i, args.batch_tokens, stream=False), [])
                                               for i in range(args.backlog)])
 
         async def publish():
@@ -77,10 +78,10 @@ async def run(s, eng, mode: str, loaded: bool, args) -> list[float]:
                 await asyncio.sleep(max(0.0, start + i / args.rate - time.monotonic()))
                 rid = f"{tag}-rt{i}"
                 sent[rid] = time.monotonic()
-                await producer.send_and_wait(rt_topic, body(rid, args.rt_tokens), key=rid.encode())
+                await producer.send_and_wait(rt_topic, body(rid, i, args.rt_tokens), key=rid.encode())
 
         pub = asyncio.create_task(publish())
-        with tqdm(total=n, desc=label, unit="req") as bar:
+        with tqdm(total=n, desc=label, unit="req", mininterval=2) as bar:
             end = time.monotonic() + args.seconds + args.timeout
             while len(lat) < n and time.monotonic() < end:
                 async for r in reader.records():
@@ -96,6 +97,15 @@ async def run(s, eng, mode: str, loaded: bool, args) -> list[float]:
     finally:
         await reader.stop()
         await worker.stop(grace_s=0)
+
+
+async def settle(eng, timeout: float = 60.0) -> None:
+    """Wait until the engine holds no request, so each run starts from an idle engine."""
+    end = time.monotonic() + timeout
+    while eng.unfinished() and time.monotonic() < end:
+        await asyncio.sleep(0.1)
+    if eng.unfinished():
+        print(f"  engine still holds {eng.unfinished()} requests")
 
 
 async def warm_up(eng) -> None:
@@ -141,7 +151,7 @@ async def main(args) -> None:
         for mode in ("classes", "fifo"):
             for loaded in (False, True):
                 results[f"{mode} {'loaded' if loaded else 'alone'}"] = await run(s, eng, mode, loaded, args)
-                await asyncio.sleep(5)  # aborted engine requests drain before the next run
+                await settle(eng)
     finally:
         eng.shutdown()
     print(f"\nrealtime {args.rate}/s for {args.seconds}s, {args.rt_tokens} tokens; backlog {args.backlog} x "

@@ -146,5 +146,9 @@ class VllmEngine:
     async def check_health(self) -> None:
         await self._llm.check_health()
 
+    def unfinished(self) -> int:
+        """Requests the engine still holds (running or waiting)."""
+        return self._llm.output_processor.get_num_unfinished_requests()
+
     def shutdown(self) -> None:
         self._llm.shutdown()
