@@ -22,7 +22,8 @@ log = structlog.get_logger("sluice.emitter")
 
 
 class Emitter:
-    def __init__(self, kafka_opts: dict, idempotence: bool, dlq_topic: str, client_id: str = "sluice"):
+    def __init__(self, kafka_opts: dict, idempotence: bool, dlq_topic: str, client_id: str = "sluice",
+                 default_reply_topic: str | None = None, reply_attempts: int = 5):
         self._producer = AIOKafkaProducer(
             **kafka_opts,
             client_id=f"{client_id}-producer",
@@ -33,6 +34,8 @@ class Emitter:
         )
         self.codec = ReplyCodec()
         self.dlq_topic = dlq_topic
+        self.default_reply_topic = default_reply_topic
+        self.reply_attempts = reply_attempts
 
     async def start(self) -> None:
         await self._producer.start()
@@ -51,9 +54,26 @@ class Emitter:
         metrics.reply_records.labels("token").inc()
 
     async def final(self, topic: str, reply, retry_until=None) -> bytes:
-        """Send `done`/`error` and wait for the broker; retried while `retry_until()` is true."""
+        """Send `done`/`error` and wait for the broker; retried while `retry_until()` is true.
+
+        A requester's own `reply_to` topic that cannot be written (missing, not
+        authorized, ...) must not hold the partition forever: after a non-retriable
+        error or `reply_attempts` failures the reply goes to the default reply topic.
+        """
         payload = self.codec.encode(reply)
-        await self._send_durably(topic, payload, reply.id.encode(), self._headers(reply.id), retry_until)
+        key, headers = reply.id.encode(), self._headers(reply.id)
+        own_topic = self.default_reply_topic is not None and topic != self.default_reply_topic
+        try:
+            await self._send_durably(topic, payload, key, headers, retry_until,
+                                     self.reply_attempts if own_topic else None)
+        except KafkaError as exc:
+            if not own_topic:
+                raise
+            log.warning("reply_topic_unusable", topic=topic, request_id=reply.id, error=repr(exc),
+                        fallback=self.default_reply_topic)
+            metrics.reply_fallbacks.inc()
+            headers.append(("x-sluice-reply-to-failed", topic.encode()))
+            await self._send_durably(self.default_reply_topic, payload, key, headers, retry_until)
         metrics.reply_records.labels("error" if isinstance(reply, ErrorReply) else "done").inc()
         return payload
 
@@ -62,14 +82,19 @@ class Emitter:
         await self._send_durably(self.dlq_topic, record.value, record.key, headers, retry_until)
         metrics.reply_records.labels("dlq").inc()
 
-    async def _send_durably(self, topic, value, key, headers, retry_until) -> None:
+    async def _send_durably(self, topic, value, key, headers, retry_until, attempts=None) -> None:
+        """Retriable errors are retried while `retry_until()` holds (at most `attempts` times)."""
         delay = 0.2
+        tries = 0
         while True:
+            tries += 1
             try:
                 await self._producer.send_and_wait(topic, value, key=key, headers=headers)
                 return
             except KafkaError as exc:
-                if retry_until is None or not retry_until():
+                if not exc.retriable or retry_until is None or not retry_until():
+                    raise
+                if attempts is not None and tries >= attempts:
                     raise
                 log.warning("produce_failed_retrying", topic=topic, error=repr(exc), retriable=exc.retriable)
                 await asyncio.sleep(delay)

@@ -23,6 +23,9 @@ paused_partitions = Gauge("sluice_paused_partitions", "Partitions paused for bac
                           registry=REGISTRY)
 tokens_generated = Counter("sluice_tokens_generated_total", "Completion tokens", ["class"], registry=REGISTRY)
 prompt_tokens = Counter("sluice_prompt_tokens_total", "Prompt tokens", ["class"], registry=REGISTRY)
+reply_fallbacks = Counter("sluice_reply_fallbacks_total",
+                          "Final replies sent to the default reply topic because reply_to was unusable",
+                          registry=REGISTRY)
 reply_records = Counter("sluice_reply_records_total", "Reply records produced", ["type"], registry=REGISTRY)
 time_to_first_token = Histogram("sluice_time_to_first_token_seconds", "From record timestamp to first token",
                                 ["class"], buckets=LATENCY_BUCKETS, registry=REGISTRY)

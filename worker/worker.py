@@ -53,7 +53,8 @@ class Worker:
         self.codec = RequestCodec(settings.limits())
         self.tracker = OffsetTracker()
         kafka = settings.kafka_common()
-        self.emitter = Emitter(kafka, settings.kafka_idempotence, catalog.dlq.name, settings.kafka_client_id)
+        self.emitter = Emitter(kafka, settings.kafka_idempotence, catalog.dlq.name, settings.kafka_client_id,
+                               default_reply_topic=catalog.replies.name)
         self.answers = AnswerStore(settings.redis_url, settings.redis_key_prefix, settings.redis_ttl_s,
                                    settings.redis_timeout_ms)
         self.consumer = AIOKafkaConsumer(

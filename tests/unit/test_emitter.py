@@ -1,0 +1,62 @@
+"""Reply routing when a requester's own reply topic cannot be written."""
+
+from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError
+
+from schemas import DoneReply, Usage
+from worker.emitter import Emitter
+
+
+class StubProducer:
+    """Fails for the topics it is told to; records what it sent."""
+
+    def __init__(self, failures: dict):
+        self.failures = failures  # topic -> exception class
+        self.sent: list[tuple[str, bytes, list]] = []
+        self.calls: dict[str, int] = {}
+
+    async def send_and_wait(self, topic, value, key=None, headers=None):
+        self.calls[topic] = self.calls.get(topic, 0) + 1
+        if topic in self.failures:
+            raise self.failures[topic]()
+        self.sent.append((topic, value, headers))
+
+
+def _emitter(failures):
+    em = Emitter({"bootstrap_servers": "127.0.0.1:1"}, False, "dlq", default_reply_topic="replies", reply_attempts=3)
+    em._producer = StubProducer(failures)
+    return em
+
+
+DONE = DoneReply("r1", 0, "hi", "stop", Usage(1, 1))
+
+
+async def test_unwritable_reply_to_falls_back_to_default():
+    em = _emitter({"team.replies": KafkaTimeoutError})
+    await em.final("team.replies", DONE, retry_until=lambda: True)
+    (topic, value, headers), = em._producer.sent
+    assert topic == "replies" and em.codec.decode(value) == DONE
+    assert ("x-sluice-reply-to-failed", b"team.replies") in headers
+    assert em._producer.calls["team.replies"] == 1  # not retriable: no retries
+
+
+async def test_retriable_failures_are_bounded_for_own_topics(monkeypatch):
+    import asyncio
+
+    async def no_sleep(_):
+        return None
+
+    monkeypatch.setattr(asyncio, "sleep", no_sleep)
+    em = _emitter({"team.replies": KafkaConnectionError})
+    await em.final("team.replies", DONE, retry_until=lambda: True)
+    assert em._producer.calls["team.replies"] == 3
+    assert em._producer.sent[0][0] == "replies"
+
+
+async def test_default_topic_failure_is_raised_not_rerouted():
+    em = _emitter({"replies": KafkaTimeoutError})
+    try:
+        await em.final("replies", DONE, retry_until=lambda: True)
+    except KafkaTimeoutError:
+        assert em._producer.sent == []
+        return
+    raise AssertionError("a failure on the default reply topic must surface")
