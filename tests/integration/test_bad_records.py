@@ -55,7 +55,11 @@ async def test_malformed_records_never_block(settings, catalog, engine, group_id
     for i, (key, value, headers, _) in enumerate(BAD):
         items.append((topic, key, value, headers))
         good = {"id": f"good-{i}", "prompt": f"Count to {i}:", "max_tokens": 4}
-        items.append((topic, f"good-{i}".encode(), J(good), []))
+        if i % 2:  # every other valid request is msgpack
+            items.append((topic, f"good-{i}".encode(), msgspec.msgpack.encode(good),
+                          [("content-type", b"application/msgpack")]))
+        else:
+            items.append((topic, f"good-{i}".encode(), J(good), []))
     reader = ReplyReader(settings.kafka_bootstrap, catalog.replies.name)
     await reader.start()
     finals = {}
