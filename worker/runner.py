@@ -38,6 +38,7 @@ class Job:
     seq: int = 0
     segments: int = 0
     suspend: asyncio.Event = field(default_factory=asyncio.Event)
+    slot_released: bool = True  # set False while the job holds an engine slot
 
 
 class Rejected(Exception):
@@ -60,8 +61,9 @@ def _now_ms() -> int:
 
 class Runner:
     def __init__(self, engine: Engine, emitter: Emitter, answers: AnswerStore, limits: Limits, running,
-                 chunk_tokens: int = 1, chunk_ms: int = 0):
+                 chunk_tokens: int = 1, chunk_ms: int = 0, release_slot=lambda job: None):
         self.engine, self.emitter, self.answers, self.limits = engine, emitter, answers, limits
+        self.release_slot = release_slot  # the engine slot is free once generation ends
         self.running = running  # callable: keep retrying produces while true
         self.chunk_tokens, self.chunk_s = chunk_tokens, chunk_ms / 1000
 
@@ -84,13 +86,6 @@ class Runner:
         cls = job.latency_class
         try:
             if job.segments == 0:
-                stored = await self.answers.get(req.id)
-                if stored is not None:
-                    # Answered before (a repeat of the id): re-send the same final reply, run nothing.
-                    metrics.duplicates.labels(cls).inc()
-                    await self.emitter.final(job.reply_to, self.emitter.codec.decode(stored), self.running)
-                    log.info("duplicate_answered_from_store")
-                    return
                 if req.deadline_ms is not None and _now_ms() >= req.deadline_ms:
                     raise Rejected(ErrorCode.DEADLINE_EXCEEDED,
                                    f"deadline {req.deadline_ms} passed before the request ran")
@@ -103,12 +98,20 @@ class Runner:
         except Exception as exc:  # one request's failure never stops the worker
             log.exception("request_failed")
             final = ErrorReply(req.id, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")
+        self.release_slot(job)
         payload = await self.emitter.final(job.reply_to, final, self.running)
         outcome = final.code.value if isinstance(final, ErrorReply) else final.finish_reason
         metrics.requests_completed.labels(cls, outcome).inc()
         metrics.end_to_end.labels(cls).observe(max(0.0, time.time() - job.timestamp_ms / 1000))
-        await self.answers.put(req.id, payload)
+        self.answers.put_later(req.id, payload)
         log.info("request_answered", outcome=outcome, segments=job.segments)
+
+    async def resend(self, job: Job, stored: bytes) -> None:
+        """A repeat of an answered id: re-send the same final reply, run nothing."""
+        metrics.duplicates.labels(job.latency_class).inc()
+        await self.emitter.final(job.reply_to, self.emitter.codec.decode(stored), self.running)
+        structlog.get_logger("sluice.runner").info("duplicate_answered_from_store", request_id=job.request.id,
+                                                   cls=job.latency_class)
 
     async def _generate(self, job: Job, params: GenParams, log) -> DoneReply:
         req, cls = job.request, job.latency_class

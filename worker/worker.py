@@ -67,7 +67,7 @@ class Worker:
             max_partition_fetch_bytes=max(1 << 20, 2 * settings.max_record_bytes),
         )
         self.runner = Runner(engine, self.emitter, self.answers, settings.limits(), self.is_running,
-                             settings.stream_chunk_tokens, settings.stream_chunk_ms)
+                             settings.stream_chunk_tokens, settings.stream_chunk_ms, self._release_slot)
         self._topics = {t.name: t for t in catalog.requests}
         self.scheduler = Scheduler([class_policy(t) for t in catalog.requests], settings.max_num_seqs,
                                    settings.contention_hold_ms)
@@ -162,11 +162,21 @@ class Worker:
                 log.warning("fetch_failed", error=repr(exc), retriable=exc.retriable)
                 await asyncio.sleep(0.5)
                 continue
-            for tp, records in got.items():
-                for record in records:
-                    self._take(topic, tp, record)
-            if got:
-                self._wake.set()
+            jobs = [job for tp, records in got.items() for record in records
+                    if (job := self._take(topic, tp, record)) is not None]
+            if not jobs:
+                continue
+            stored = await self.answers.get_many([job.request.id for job in jobs])
+            owned = set(self.tracker.partitions())  # a rebalance may have run during the lookup
+            for job, answer in zip(jobs, stored):
+                if job.tp not in owned:
+                    continue
+                if answer is not None:
+                    self._spawn(self.runner.resend(job, answer), cls, job.tp, job.offset)
+                else:
+                    self.scheduler.add(cls, job, job.timestamp_ms, job.request.deadline_ms)
+            metrics.waiting.labels(cls).set(self.scheduler.waiting(cls))
+            self._wake.set()
 
     def _backpressure(self, cls: str, tps) -> bool:
         """Pause the class's partitions while its waiting queue is full; True when reading."""
@@ -183,7 +193,8 @@ class Worker:
         metrics.paused_partitions.labels(cls).set(len(tps) if self.paused[cls] else 0)
         return not self.paused[cls]
 
-    def _take(self, topic: Topic, tp, record) -> None:
+    def _take(self, topic: Topic, tp, record) -> Job | None:
+        """Own the record; a bad one is answered at once, a valid one returned as a job."""
         cls = topic.latency_class
         metrics.records_consumed.labels(cls).inc()
         self.tracker.take(tp, record.offset)
@@ -191,12 +202,10 @@ class Worker:
             request = self.codec.decode(record.value, record.headers, record.key)
         except BadRequest as bad:
             self._rejects += 1
-            self._spawn(self._reject(tp, record, bad), cls, tp, record.offset, engine_slot=False)
-            return
-        job = Job(request, cls, topic.priority, request.reply_to or self.catalog.replies.name,
-                  tp, record.offset, record.timestamp)
-        self.scheduler.add(cls, job, record.timestamp, request.deadline_ms)
-        metrics.waiting.labels(cls).set(self.scheduler.waiting(cls))
+            self._spawn(self._reject(tp, record, bad), cls, tp, record.offset)
+            return None
+        return Job(request, cls, topic.priority, request.reply_to or self.catalog.replies.name,
+                   tp, record.offset, record.timestamp)
 
     async def _reject(self, tp, record, bad: BadRequest) -> None:
         try:
@@ -220,9 +229,10 @@ class Worker:
             self._wake.clear()
             admitted, expired = self.scheduler.admit(int(time.time() * 1000))
             for cls, job in expired:
-                self._spawn(self._expire(job), cls, job.tp, job.offset, engine_slot=False)
+                self._spawn(self._expire(job), cls, job.tp, job.offset)
             for cls, job in admitted:
-                task = self._spawn(self.runner.serve(job), cls, job.tp, job.offset, engine_slot=True)
+                job.slot_released = False
+                task = self._spawn(self.runner.serve(job), cls, job.tp, job.offset)
                 self._engine_jobs[task] = job
             self._preempt()
             for p in self.scheduler.policies:
@@ -235,7 +245,7 @@ class Worker:
     def _preempt(self) -> None:
         """Suspend lower-class requests holding slots a waiting higher class needs."""
         for cls, excess in self.scheduler.overcommitted().items():
-            jobs = [j for j in self._engine_jobs.values() if j.latency_class == cls]
+            jobs = [j for j in self._engine_jobs.values() if j.latency_class == cls and not j.slot_released]
             excess -= sum(j.suspend.is_set() for j in jobs)
             # Those with the least generated lose the least if their KV is evicted meanwhile.
             for job in sorted((j for j in jobs if not j.suspend.is_set()), key=lambda j: len(j.generated))[:excess]:
@@ -247,18 +257,24 @@ class Worker:
         await self.emitter.final(job.reply_to, reply, self.is_running)
         metrics.requests_completed.labels(job.latency_class, ErrorCode.DEADLINE_EXCEEDED.value).inc()
 
-    def _spawn(self, coro, cls: str, tp, offset: int, engine_slot: bool) -> asyncio.Task:
+    def _release_slot(self, job: Job) -> None:
+        """Free the job's engine slot (once), as soon as it no longer generates."""
+        if not job.slot_released:
+            job.slot_released = True
+            self.scheduler.release(job.latency_class)
+            self._wake.set()
+
+    def _spawn(self, coro, cls: str, tp, offset: int) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._tasks[task] = tp
-        task.add_done_callback(lambda t: self._finished(t, cls, tp, offset, engine_slot))
+        task.add_done_callback(lambda t: self._finished(t, cls, tp, offset))
         return task
 
-    def _finished(self, task: asyncio.Task, cls: str, tp, offset: int, engine_slot: bool) -> None:
+    def _finished(self, task: asyncio.Task, cls: str, tp, offset: int) -> None:
         self._tasks.pop(task, None)
-        self._engine_jobs.pop(task, None)
-        if engine_slot:
-            self.scheduler.release(cls)
-            self._wake.set()
+        job = self._engine_jobs.pop(task, None)
+        if job is not None:
+            self._release_slot(job)
         if task.cancelled():
             return  # not answered: the record stays uncommitted and is read again
         exc = task.exception()

@@ -64,7 +64,7 @@ async def test_sigterm_drains_in_flight_requests(settings, catalog, model_dir, t
         import msgspec
         await produce(settings.kafka_bootstrap, [
             (catalog.request_topic("standard").name, i.encode(),
-             msgspec.json.encode({"id": i, "prompt": "Write a long story about a dragon.", "max_tokens": 96}), [])
+             msgspec.json.encode({"id": i, "prompt": "Count from 1 to 1000: 1, 2, 3, 4,", "max_tokens": 300}), [])
             for i in ids])
         finals, saw_token = {}, False
         deadline = time.monotonic() + 300
