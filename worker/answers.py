@@ -18,11 +18,13 @@ import time
 
 import structlog
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from worker import metrics
 
 log = structlog.get_logger("sluice.answers")
+# RedisClusterException ("no reachable node") is not a RedisError.
+REDIS_DOWN = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 
 
 class AnswerStore:
@@ -71,7 +73,7 @@ class AnswerStore:
             self._client = client
             self._mark(True)
             return True
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        except REDIS_DOWN as exc:
             self._mark(False, exc)
             return False
 
@@ -95,7 +97,7 @@ class AnswerStore:
             result = await asyncio.wait_for(fn(self._client), self.timeout * 4)
             self._mark(True)
             return result
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        except REDIS_DOWN as exc:
             self._mark(False, exc)
             return None
 
@@ -140,6 +142,6 @@ class AnswerStore:
         if self._client is not None:
             try:
                 await self._client.aclose()
-            except (RedisError, OSError):
+            except REDIS_DOWN:
                 pass
             self._client = None
