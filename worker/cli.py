@@ -103,6 +103,24 @@ def cmd_worker(args) -> int:
     return asyncio.run(run_worker(settings, catalog))
 
 
+def cmd_loadgen(args) -> int:
+    from loadgen.run import run, write_reports
+    from loadgen.workload import Workload, parse_mix
+
+    settings = _settings(args)
+    catalog = _catalog(settings)
+    try:
+        workload = Workload(rate=args.rate, seconds=args.seconds, arrival=args.arrival, mix=parse_mix(args.mix),
+                            max_tokens=(args.min_tokens, args.max_tokens), seed=args.seed)
+    except ValueError as exc:
+        sys.exit(f"sluice loadgen: {exc}")
+    timings = asyncio.run(run(settings.kafka_bootstrap, catalog, workload))
+    write_reports(timings, workload, Path(args.out))
+    print((Path(args.out) / "loadgen.md").read_text())
+    print(f"wrote {args.out}/loadgen.json, loadgen.png, loadgen.md")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from loadgen.demo import main as demo_main
 
@@ -136,6 +154,17 @@ def main(argv=None) -> int:
 
     p = sub.add_parser("worker", help="run a worker")
     p.set_defaults(fn=cmd_worker)
+
+    p = sub.add_parser("loadgen", help="open-loop load against running workers; JSON, PNG and markdown report")
+    p.add_argument("--rate", type=float, default=5.0, help="requests per second")
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson")
+    p.add_argument("--mix", default="realtime=0.3,standard=0.4,batch=0.3")
+    p.add_argument("--min-tokens", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--out", default="out/loadgen")
+    p.set_defaults(fn=cmd_loadgen)
 
     p = sub.add_parser("demo", help="embedded stack + worker + a burst of requests, results shown")
     p.add_argument("--requests", type=int, default=60)
