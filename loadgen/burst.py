@@ -57,9 +57,9 @@ class Outcome:
 class ReplyReader:
     """Reads every partition of a reply topic from its current end (no consumer group).
 
-    Records older than `start()` are also skipped by timestamp: the embedded broker
-    reports a partition's end as one past the *first* offset of its last batch,
-    so "seek to end" alone can replay the tail of that batch.
+    After seeking to the end it also reads and drops whatever is still there: the
+    embedded broker reports a partition's end as one past the *first* offset of
+    its last batch, so "seek to end" alone can replay the tail of that batch.
     """
 
     def __init__(self, bootstrap: str, topic: str):
@@ -69,7 +69,6 @@ class ReplyReader:
         self.codec = ReplyCodec()
 
     async def start(self, from_beginning: bool = False) -> None:
-        self.since_ms = 0 if from_beginning else int(time.time() * 1000) - 5
         await self.consumer.start()
         parts = None
         for _ in range(50):
@@ -86,13 +85,14 @@ class ReplyReader:
             await self.consumer.seek_to_end(*tps)
             for tp in tps:
                 await self.consumer.position(tp)  # resolve the end now, before anything is sent
+            while await self.consumer.getmany(timeout_ms=150):
+                pass  # the tail the broker's end offset left behind
 
     async def records(self, timeout_ms: int = 200):
         batches = await self.consumer.getmany(timeout_ms=timeout_ms)
         for recs in batches.values():
             for rec in recs:
-                if rec.timestamp >= self.since_ms:
-                    yield self.codec.decode(rec.value)
+                yield self.codec.decode(rec.value)
 
     async def stop(self) -> None:
         await self.consumer.stop()
