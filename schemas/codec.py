@@ -126,7 +126,7 @@ class RequestCodec:
                 rid = None
         if reply_to is not None and _valid(_topic_ok, reply_to) is None:
             # An unusable reply topic means nobody can be answered: dead-letter it.
-            return BadRequest(code, message + f"; `reply_to` is not a valid topic name", None, None)
+            return BadRequest(code, message + "; `reply_to` is not a valid topic name", None, None)
         return BadRequest(code, message, rid, reply_to)
 
 

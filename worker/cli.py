@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import sys
 from pathlib import Path
 
@@ -128,13 +127,15 @@ def cmd_demo(args) -> int:
 
 
 def main(argv=None) -> int:
+    from worker import devstack
+
     parser = argparse.ArgumentParser(prog="sluice", description="Kafka-fed streaming LLM inference on vLLM")
     parser.add_argument("--config", help="settings TOML file (default: $SLUICE_CONFIG)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("dev", help="embedded broker + Redis Cluster on loopback")
     p.add_argument("action", choices=["up", "down", "status"])
-    p.add_argument("--state-dir", default=str(__import__("worker.devstack", fromlist=["x"]).DEFAULT_DIR))
+    p.add_argument("--state-dir", default=str(devstack.DEFAULT_DIR))
     p.set_defaults(fn=cmd_dev)
 
     p = sub.add_parser("model", help="prepare the bundled SmolLM2-135M-Instruct for vLLM")

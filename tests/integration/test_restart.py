@@ -5,7 +5,7 @@ import asyncio
 import msgspec
 import pytest
 
-from loadgen.burst import ReplyReader, make_requests, produce, run_burst
+from loadgen.burst import ReplyReader, make_requests, run_burst
 from schemas import DoneReply
 from tests.integration.helpers import committed_offsets, running_worker
 from topics.admin import apply
