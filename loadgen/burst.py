@@ -153,6 +153,27 @@ async def run_burst(bootstrap: str, catalog, requests: list[tuple[str, dict]], t
         await reader.stop()
 
 
+async def read_topic(kafka_opts: dict, topic: str, quiet_ms: int = 1500) -> list:
+    """Every record of every partition of `topic`, read until nothing arrives for `quiet_ms`."""
+    consumer = AIOKafkaConsumer(**kafka_opts, enable_auto_commit=False, fetch_max_wait_ms=50)
+    await consumer.start()
+    try:
+        await consumer._client.force_metadata_update()
+        parts = consumer.partitions_for_topic(topic) or set()
+        consumer.assign([TopicPartition(topic, p) for p in parts])
+        await consumer.seek_to_beginning()
+        out, idle_since = [], time.monotonic()
+        while time.monotonic() - idle_since < quiet_ms / 1000:
+            batch = await consumer.getmany(timeout_ms=200)
+            if batch:
+                idle_since = time.monotonic()
+            for recs in batch.values():
+                out.extend(recs)
+        return out
+    finally:
+        await consumer.stop()
+
+
 def check(o: Outcome) -> None:
     """Contract checks on one request's replies."""
     if o.final is None:

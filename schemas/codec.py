@@ -90,9 +90,23 @@ class RequestCodec:
             if r.messages is not None and not r.messages:
                 return bad, "`messages` is empty"
         elif r.kind == "score":
-            return bad, "kind `score` is not served by this worker version"
-        if r.max_tokens is not None and (r.max_tokens < 1 or r.max_tokens > lim.max_tokens):
-            return bad, f"`max_tokens` must be 1..{lim.max_tokens}, got {r.max_tokens}"
+            if r.prompt is not None or r.messages is not None:
+                return bad, "score takes `event` and `template`, not `prompt` or `messages`"
+            if r.template is None:
+                return bad, "score needs `template` (the name of a prompt template)"
+            if r.event is None:
+                return bad, "score needs `event` (the object the template renders)"
+            if r.labels is not None:
+                if not 2 <= len(r.labels) <= lim.max_labels:
+                    return bad, f"`labels` must have 2..{lim.max_labels} entries, got {len(r.labels)}"
+                if len(set(r.labels)) != len(r.labels):
+                    return bad, "`labels` must be distinct"
+                if any(not label or len(label) > lim.max_label_chars for label in r.labels):
+                    return bad, f"each label must be 1..{lim.max_label_chars} chars"
+        # A score request may ask for no generated text at all (max_tokens 0: scores only).
+        low = 0 if r.kind == "score" else 1
+        if r.max_tokens is not None and (r.max_tokens < low or r.max_tokens > lim.max_tokens):
+            return bad, f"`max_tokens` must be {low}..{lim.max_tokens}, got {r.max_tokens}"
         if r.stop is not None:
             if len(r.stop) > lim.max_stop:
                 return bad, f"`stop` has {len(r.stop)} strings; the limit is {lim.max_stop}"

@@ -13,5 +13,7 @@ class Limits(Struct, frozen=True, kw_only=True):
     max_stop_chars: int = 64
     max_messages: int = 64
     max_prompt_chars: int = 256 * 1024
+    max_labels: int = 16
+    max_label_chars: int = 64
     # Prompt tokens are bounded by the model context; None means "the model's".
     max_prompt_tokens: int | None = None

@@ -120,6 +120,52 @@ def cmd_loadgen(args) -> int:
     return 0
 
 
+def cmd_backfill(args) -> int:
+    import signal
+    import time
+
+    from tqdm import tqdm
+
+    from worker.backfill import Backfill, Job, render_summary
+    from worker.backfill_range import RangeError, parse_bound
+
+    settings = _settings(args)
+    catalog = _catalog(settings)
+    try:
+        parse_bound(args.start), parse_bound(args.stop)
+    except RangeError as exc:
+        sys.exit(f"sluice backfill: {exc}")
+    job = Job(source=args.source, out=args.out, template=args.template, start=args.start, stop=args.stop,
+              labels=tuple(args.labels.split(",")) if args.labels else None, max_tokens=args.max_tokens,
+              name=args.name)
+
+    def progress(total, initial):
+        return tqdm(total=total, initial=initial, desc=f"backfill {job.id}", unit="ev", mininterval=1,
+                    dynamic_ncols=True)
+
+    async def go():
+        bf = Backfill(settings, catalog, job, state_dir=args.state_dir, max_in_flight=args.max_in_flight,
+                      latency_class=args.latency_class, progress=progress)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, bf.stop.set)
+        t0 = time.monotonic()
+        cp = await bf.run()
+        return bf, cp, time.monotonic() - t0
+
+    try:
+        bf, cp, seconds = asyncio.run(go())
+    except RangeError as exc:
+        sys.exit(f"sluice backfill: {exc}")
+    if not cp.complete:
+        print(render_summary(bf.counts(cp), seconds))
+        print(f"stopped; checkpoint in {bf.path}. Run the same command to resume.")
+        return 130
+    print(render_summary(cp, cp.seconds))
+    print(f"done: results in {job.out}; checkpoint {bf.path}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from loadgen.demo import main as demo_main
 
@@ -166,6 +212,21 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", default="out/loadgen")
     p.set_defaults(fn=cmd_loadgen)
+
+    p = sub.add_parser("backfill", help="score a topic range through the batch class; resumable, one result per event")
+    p.add_argument("--source", required=True, help="topic holding the events")
+    p.add_argument("--from", dest="start", default=None, help="first offset or ISO time (default: the beginning)")
+    p.add_argument("--to", dest="stop", default=None,
+                   help="offset or ISO time where the range ends, not included (default: the end at the first run)")
+    p.add_argument("--template", required=True, help="score template name (see schemas/prompts)")
+    p.add_argument("--out", required=True, help="topic for the results, keyed by event id")
+    p.add_argument("--labels", help="comma-separated labels (default: the template's)")
+    p.add_argument("--max-tokens", type=int, default=0, help="tokens of generated rationale per event (default 0)")
+    p.add_argument("--name", help="job name (default: derived from the arguments); names the checkpoint")
+    p.add_argument("--state-dir", default=".sluice/backfill", help="where checkpoints live")
+    p.add_argument("--max-in-flight", type=int, default=512)
+    p.add_argument("--class", dest="latency_class", default="batch", choices=["realtime", "standard", "batch"])
+    p.set_defaults(fn=cmd_backfill)
 
     p = sub.add_parser("demo", help="embedded stack + worker + a burst of requests, results shown")
     p.add_argument("--requests", type=int, default=60)

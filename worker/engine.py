@@ -17,15 +17,21 @@ class GenParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # Score requests: log-probabilities of these token ids at the first generated position.
+    logprob_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """New tokens since the last delta; `finish_reason` is set on the last one."""
+    """New tokens since the last delta; `finish_reason` is set on the last one.
+
+    `logprobs` holds the requested `logprob_token_ids` at the first position of this delta.
+    """
 
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: dict[int, float] | None = None
 
 
 class EngineDead(RuntimeError):
@@ -36,6 +42,10 @@ class Engine(Protocol):
     max_model_len: int
 
     def prompt_ids(self, request: Request) -> list[int]: ...
+
+    def render_ids(self, text: str, chat: bool, system: str | None) -> list[int]: ...
+
+    def label_ids(self, labels: list[str], chat: bool) -> list[list[int]]: ...
 
     def generate(self, request_id: str, prompt_ids: list[int], params: GenParams, priority: int) -> AsyncIterator[Delta]: ...
 
@@ -114,6 +124,20 @@ class VllmEngine:
             return list(self._tokenizer.encode(text, add_special_tokens=False))
         return list(self._tokenizer.encode(request.prompt or ""))
 
+    def render_ids(self, text: str, chat: bool, system: str | None) -> list[int]:
+        """A template's rendered text as prompt ids: a chat turn (with optional system) or plain text."""
+        if not chat:
+            return list(self._tokenizer.encode(text))
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        rendered = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self._tokenizer.encode(rendered, add_special_tokens=False))
+
+    def label_ids(self, labels: list[str], chat: bool) -> list[list[int]]:
+        """Each label's tokens as the model would write them right after the prompt."""
+        # After a chat prompt the answer starts a fresh turn; after plain text it follows a space.
+        return [list(self._tokenizer.encode(label if chat else " " + label, add_special_tokens=False))
+                for label in labels]
+
     def sampling_params(self, params: GenParams):
         return self._SamplingParams(
             max_tokens=params.max_tokens,
@@ -122,6 +146,7 @@ class VllmEngine:
             seed=params.seed,
             stop=list(params.stop) or None,
             output_kind=self._delta,
+            logprob_token_ids=list(params.logprob_token_ids) or None,
         )
 
     async def generate(self, request_id, prompt_ids, params, priority) -> AsyncIterator[Delta]:
@@ -136,7 +161,12 @@ class VllmEngine:
                 priority=priority,
             ):
                 completion = out.outputs[0]
-                yield Delta(completion.text, list(completion.token_ids), completion.finish_reason if out.finished else None)
+                logprobs = None
+                if params.logprob_token_ids and completion.logprobs:
+                    first = completion.logprobs[0]
+                    logprobs = {t: first[t].logprob for t in params.logprob_token_ids if t in first}
+                yield Delta(completion.text, list(completion.token_ids),
+                            completion.finish_reason if out.finished else None, logprobs)
         except EngineDeadError as exc:
             raise EngineDead(str(exc)) from exc
 

@@ -24,6 +24,12 @@ class FakeEngine:
         text = request.prompt if request.prompt is not None else " ".join(m.content for m in request.messages or ())
         return [b % 256 for b in text.encode()] or [0]
 
+    def render_ids(self, text: str, chat: bool, system: str | None) -> list[int]:
+        return [b % 256 for b in ((system or "") + text).encode()] or [0]
+
+    def label_ids(self, labels: list[str], chat: bool) -> list[list[int]]:
+        return [[1000 + (b % 256) for b in label.encode()] for label in labels]
+
     async def generate(self, request_id: str, prompt_ids: list[int], params: GenParams, priority: int):
         self.started.append(request_id)
         base = sum(prompt_ids)
@@ -34,7 +40,10 @@ class FakeEngine:
             n = min(self.tokens_per_delta, params.max_tokens - i)
             ids = [(base + i + k) % 1000 for k in range(n)]
             i += n
-            yield Delta("".join(f"<t{t}>" for t in ids), ids, "length" if i >= params.max_tokens else None)
+            # Label logprobs: a fixed function of the prompt, so tests can compute them too.
+            logprobs = ({t: -1.0 - ((base + t) % 7) for t in params.logprob_token_ids}
+                        if params.logprob_token_ids and i == n else None)
+            yield Delta("".join(f"<t{t}>" for t in ids), ids, "length" if i >= params.max_tokens else None, logprobs)
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)

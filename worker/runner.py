@@ -10,12 +10,14 @@ the next reply seq, so readers see one gapless stream.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 
 import structlog
 
 from schemas import DoneReply, ErrorCode, ErrorReply, Limits, Request, TokenReply, Usage
+from schemas.templates import TemplateError, Templates
 from worker import metrics
 from worker.answers import AnswerStore
 from worker.emitter import Emitter
@@ -37,6 +39,10 @@ class Job:
     texts: list[str] = field(default_factory=list)
     seq: int = 0
     segments: int = 0
+    # score requests: the label set, each label's first token, and the scores once known
+    labels: list[str] | None = None
+    label_ids: tuple[int, ...] = ()
+    scores: dict[str, float] | None = None
     suspend: asyncio.Event = field(default_factory=asyncio.Event)
     slot_released: bool = True  # set False while the job holds an engine slot
 
@@ -61,14 +67,20 @@ def _now_ms() -> int:
 
 class Runner:
     def __init__(self, engine: Engine, emitter: Emitter, answers: AnswerStore, limits: Limits, running,
-                 chunk_tokens: int = 1, chunk_ms: int = 0, release_slot=lambda job: None):
+                 chunk_tokens: int = 1, chunk_ms: int = 0, release_slot=lambda job: None,
+                 templates: Templates | None = None):
         self.engine, self.emitter, self.answers, self.limits = engine, emitter, answers, limits
+        self.templates = templates or Templates()
         self.release_slot = release_slot  # the engine slot is free once generation ends
         self.running = running  # callable: keep retrying produces while true
         self.chunk_tokens, self.chunk_s = chunk_tokens, chunk_ms / 1000
 
-    def params(self, request: Request, prompt_len: int) -> GenParams:
-        max_tokens = request.max_tokens or self.limits.default_max_tokens
+    def params(self, request: Request, prompt_len: int, label_ids: tuple[int, ...] = ()) -> GenParams:
+        if request.kind == "score":
+            # Scores come from the first position; scores-only still runs that one step.
+            max_tokens = max(1, request.max_tokens or 0)
+        else:
+            max_tokens = request.max_tokens or self.limits.default_max_tokens
         max_prompt = self.limits.max_prompt_tokens or (self.engine.max_model_len - 1)
         if prompt_len > max_prompt:
             raise Rejected(ErrorCode.PAYLOAD_TOO_LARGE, f"prompt is {prompt_len} tokens; the limit is {max_prompt}")
@@ -77,7 +89,28 @@ class Runner:
                            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model context "
                            f"of {self.engine.max_model_len}")
         return GenParams(max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
-                         seed=request.seed, stop=tuple(request.stop or ()))
+                         seed=request.seed, stop=tuple(request.stop or ()), logprob_token_ids=label_ids)
+
+    def prepare_score(self, job: Job) -> None:
+        """Render the event through its template; find the token that stands for each label."""
+        req = job.request
+        try:
+            template = self.templates.get(req.template or "")
+            text = template.render(req.event or {})
+        except TemplateError as exc:
+            raise Rejected(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        job.labels = list(req.labels or template.labels)
+        job.prompt_ids = self.engine.render_ids(text, template.chat, template.system)
+        firsts: dict[int, str] = {}
+        for label, ids in zip(job.labels, self.engine.label_ids(job.labels, template.chat)):
+            if not ids:
+                raise Rejected(ErrorCode.INVALID_REQUEST, f"label `{label}` encodes to no tokens")
+            if ids[0] in firsts:
+                raise Rejected(ErrorCode.INVALID_REQUEST,
+                               f"labels `{firsts[ids[0]]}` and `{label}` begin with the same token; "
+                               f"scores need labels whose first tokens differ")
+            firsts[ids[0]] = label
+        job.label_ids = tuple(firsts)
 
     async def serve(self, job: Job) -> None:
         req = job.request
@@ -89,8 +122,11 @@ class Runner:
                 if req.deadline_ms is not None and _now_ms() >= req.deadline_ms:
                     raise Rejected(ErrorCode.DEADLINE_EXCEEDED,
                                    f"deadline {req.deadline_ms} passed before the request ran")
-                job.prompt_ids = self.engine.prompt_ids(req)
-            final = await self._generate(job, self.params(req, len(job.prompt_ids)), log)
+                if req.kind == "score":
+                    self.prepare_score(job)
+                else:
+                    job.prompt_ids = self.engine.prompt_ids(req)
+            final = await self._generate(job, self.params(req, len(job.prompt_ids), job.label_ids), log)
         except Rejected as exc:
             final = ErrorReply(req.id, exc.code, exc.message)
         except (EngineDead, Suspended, asyncio.CancelledError):
@@ -119,11 +155,21 @@ class Runner:
         job.suspend.clear()
         engine_id = f"{req.id}@{getattr(job.tp, 'partition', 0)}:{job.offset}#{job.segments}"
         remaining = params.max_tokens - len(job.generated)
-        params = GenParams(remaining, params.temperature, params.top_p, params.seed, params.stop)
-        chunk = _Chunk(self, job) if req.stream else None
+        want_scores = bool(job.label_ids) and job.scores is None
+        params = GenParams(remaining, params.temperature, params.top_p, params.seed, params.stop,
+                           job.label_ids if want_scores else ())
+        scores_only = req.kind == "score" and not req.max_tokens
+        chunk = _Chunk(self, job) if req.stream and not scores_only else None
         finish = "stop"
         new_tokens = 0
         async for delta in self.engine.generate(engine_id, job.prompt_ids + job.generated, params, job.priority):
+            if want_scores and job.scores is None:
+                job.scores = self._scores(job, delta.logprobs)
+            if scores_only:
+                finish = "scored"
+                if delta.finish_reason is None:
+                    await self.engine.abort(engine_id)
+                break
             if delta.token_ids:
                 if not job.generated:
                     metrics.time_to_first_token.labels(cls).observe(max(0.0, time.time() - job.timestamp_ms / 1000))
@@ -150,7 +196,18 @@ class Runner:
             await chunk.flush()
         metrics.tokens_generated.labels(cls).inc(new_tokens)
         metrics.prompt_tokens.labels(cls).inc(len(job.prompt_ids))
-        return DoneReply(req.id, job.seq, "".join(job.texts), finish, Usage(len(job.prompt_ids), len(job.generated)))
+        return DoneReply(req.id, job.seq, "".join(job.texts), finish, Usage(len(job.prompt_ids), len(job.generated)),
+                         scores=job.scores)
+
+    @staticmethod
+    def _scores(job: Job, logprobs: dict[int, float] | None) -> dict[str, float]:
+        """Label probabilities: the model's distribution restricted to the labels, renormalised."""
+        if not logprobs or any(t not in logprobs for t in job.label_ids):
+            raise RuntimeError("the engine returned no log-probabilities for the labels")
+        top = max(logprobs[t] for t in job.label_ids)
+        weights = [math.exp(logprobs[t] - top) for t in job.label_ids]
+        total = sum(weights)
+        return {label: w / total for label, w in zip(job.labels or (), weights)}
 
 
 class _Chunk:

@@ -76,6 +76,8 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     max_messages: Positive = 64
     max_prompt_chars: Positive = 256 * 1024
     max_prompt_tokens: Positive | None = None
+    # Score templates: `<name>.toml` files here add to (or override) the built-in ones.
+    templates_dir: str | None = None
 
     def limits(self) -> Limits:
         return Limits(

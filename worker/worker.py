@@ -17,6 +17,7 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 
 from schemas import BadRequest, ErrorCode, ErrorReply, RequestCodec
+from schemas.templates import Templates
 from topics import Catalog, Topic
 from worker import metrics
 from worker.answers import AnswerStore
@@ -67,7 +68,8 @@ class Worker:
             max_partition_fetch_bytes=max(1 << 20, 2 * settings.max_record_bytes),
         )
         self.runner = Runner(engine, self.emitter, self.answers, settings.limits(), self.is_running,
-                             settings.stream_chunk_tokens, settings.stream_chunk_ms, self._release_slot)
+                             settings.stream_chunk_tokens, settings.stream_chunk_ms, self._release_slot,
+                             Templates(settings.templates_dir))
         self._topics = {t.name: t for t in catalog.requests}
         self.scheduler = Scheduler([class_policy(t) for t in catalog.requests], settings.max_num_seqs,
                                    settings.contention_hold_ms)

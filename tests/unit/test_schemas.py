@@ -40,8 +40,23 @@ CASES = [
      ErrorCode.INVALID_REQUEST, "a"),
     ("bad msgpack", b"\xc1\xc1", MSGPACK, None, ErrorCode.INVALID_REQUEST, None),
     ("no value", None, [], b"tomb", ErrorCode.INVALID_REQUEST, "tomb"),
-    ("score not served yet", J({"id": "a", "kind": "score", "event": {}}), [], None, ErrorCode.INVALID_REQUEST, "a"),
+    ("score without template", J({"id": "a", "kind": "score", "event": {}}), [], None, ErrorCode.INVALID_REQUEST, "a"),
+    ("score without event", J({"id": "a", "kind": "score", "template": "fraud"}), [], None,
+     ErrorCode.INVALID_REQUEST, "a"),
+    ("score with prompt", J({"id": "a", "kind": "score", "template": "fraud", "event": {}, "prompt": "x"}), [], None,
+     ErrorCode.INVALID_REQUEST, "a"),
+    ("score with one label", J({"id": "a", "kind": "score", "template": "fraud", "event": {}, "labels": ["x"]}), [],
+     None, ErrorCode.INVALID_REQUEST, "a"),
+    ("score with repeated labels", J({"id": "a", "kind": "score", "template": "fraud", "event": {},
+                                      "labels": ["x", "x"]}), [], None, ErrorCode.INVALID_REQUEST, "a"),
+    ("score max_tokens negative", J({"id": "a", "kind": "score", "template": "fraud", "event": {},
+                                     "max_tokens": -1}), [], None, ErrorCode.INVALID_REQUEST, "a"),
 ]
+
+
+def test_score_request_may_ask_for_no_text():
+    r = codec.decode(J({"id": "a", "kind": "score", "template": "fraud", "event": {"x": 1}, "max_tokens": 0}))
+    assert r.kind == "score" and r.max_tokens == 0
 
 
 @pytest.mark.parametrize("name,value,headers,key,code,rid", CASES, ids=[c[0] for c in CASES])

@@ -1,0 +1,140 @@
+"""`sluice backfill` against the real stack: ranges by time, and a SIGKILL midway that loses and repeats nothing."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+
+import msgspec
+import pytest
+from aiokafka import AIOKafkaConsumer
+
+from loadgen.burst import produce, read_topic
+from loadgen.events import transactions
+from schemas.events import BackfillResult
+from tests.integration.helpers import running_worker
+from worker.backfill import JOB_HEADER, SOURCE_HEADER
+from worker.backfill_range import resolve
+
+pytestmark = pytest.mark.integration
+
+
+async def create_topic(settings, name: str, partitions: int) -> None:
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    admin = AIOKafkaAdminClient(**settings.kafka_common())
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(name, partitions, 1)])
+    finally:
+        await admin.close()
+
+
+async def read_all(settings, topic: str) -> list:
+    return await read_topic(settings.kafka_common(), topic)
+
+
+async def test_time_bounds_resolve_by_record_timestamp(settings, catalog):
+    topic = f"{catalog.replies.name}.times"
+    await create_topic(settings, topic, 1)
+    base = int(datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp() * 1000)
+    from aiokafka import AIOKafkaProducer
+
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
+    await producer.start()
+    for i in range(40):  # one record a minute
+        await producer.send(topic, b"{}", partition=0, timestamp_ms=base + i * 60_000)
+    await producer.flush()
+    await producer.stop()
+    consumer = AIOKafkaConsumer(**settings.kafka_common(), enable_auto_commit=False, fetch_max_wait_ms=50)
+    await consumer.start()
+    try:
+        cases = [
+            (None, None, [0, 40]),
+            ("5", "12", [5, 12]),
+            ("2026-11-01T00:10:00Z", "2026-11-01T00:20:00Z", [10, 20]),
+            ("2026-11-01T00:09:30Z", "2026-11-01T00:20:30+00:00", [10, 21]),
+            ("2026-10-01T00:00:00Z", "2026-12-01T00:00:00Z", [0, 40]),
+            ("2026-12-01T00:00:00Z", None, [40, 40]),
+            ("100", None, [40, 40]),
+        ]
+        for start, stop, want in cases:
+            assert (await resolve(consumer, topic, start, stop))[0] == want, (start, stop)
+    finally:
+        await consumer.stop()
+
+
+def backfill_cmd(source, out, state_dir):
+    return [sys.executable, "-m", "worker.cli", "backfill", "--source", source, "--out", out, "--template", "fraud",
+            "--state-dir", str(state_dir), "--max-in-flight", "16"]
+
+
+@pytest.mark.slow
+async def test_backfill_killed_midway_resumes_with_one_result_per_event(settings, catalog, engine, group_id,
+                                                                        tmp_path):
+    from importlib import resources
+
+    prefix = catalog.replies.name[: -len("sluice.replies")]
+    topics_file = tmp_path / "topics.toml"
+    topics_file.write_text(resources.files("topics").joinpath("default.toml").read_text()
+                           .replace('name = "sluice.', f'name = "{prefix}sluice.'))
+    source, out = f"{prefix}events", f"{prefix}scored"
+    await create_topic(settings, source, 3)
+    events = transactions(150, seed=3)
+    records = [(source, e["id"].encode(), msgspec.json.encode(e), []) for e in events]
+    no_mcc = {k: v for k, v in events[0].items() if k != "mcc"} | {"id": "tx-no-mcc"}
+    records.append((source, b"tx-no-mcc", msgspec.json.encode(no_mcc), []))
+    records.append((source, b"tx-garbage", b"{not json", []))
+    await produce(settings.kafka_bootstrap, records)
+    env = {**os.environ, "SLUICE_TOPICS_FILE": str(topics_file), "SLUICE_KAFKA_IDEMPOTENCE": "false",
+           "SLUICE_LOG_LEVEL": "warning"}
+    state = tmp_path / "state"
+
+    async with running_worker(settings, catalog, engine, group_id=group_id):
+        log = open(tmp_path / "backfill-1.log", "wb")
+        first = subprocess.Popen(backfill_cmd(source, out, state), env=env, stdout=log, stderr=log)
+        # wait until part of the output is written, then kill without warning
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            n = len(await read_all(settings, out)) if state.exists() else 0
+            if n >= 40:
+                break
+            assert first.poll() is None, (tmp_path / "backfill-1.log").read_text()[-3000:]
+            await asyncio.sleep(0.5)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        partial = len(await read_all(settings, out))
+        assert 40 <= partial < len(records), partial
+
+        second = await asyncio.create_subprocess_exec(*backfill_cmd(source, out, state), env=env,
+                                                      stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        output, _ = await asyncio.wait_for(second.communicate(), 400)
+        assert second.returncode == 0, output.decode()[-3000:]
+        assert b"resuming" in output and b"histogram" in output
+
+        # a third run of the finished job writes nothing more
+        third = await asyncio.create_subprocess_exec(*backfill_cmd(source, out, state), env=env,
+                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        await asyncio.wait_for(third.communicate(), 120)
+        assert third.returncode == 0
+
+    results = await read_all(settings, out)
+    sources = [dict(r.headers)[SOURCE_HEADER] for r in results]
+    assert len(sources) == len(set(sources)) == len(records), (len(sources), len(set(sources)), len(records))
+    assert all(dict(r.headers)[JOB_HEADER] for r in results)
+    dec = msgspec.json.Decoder(BackfillResult)
+    by_id = {}
+    for r in results:
+        res = dec.decode(r.value)
+        assert r.key.decode() == res.event_id
+        by_id[res.event_id] = res
+    assert set(by_id) == {e["id"] for e in events} | {"tx-no-mcc", "tx-garbage"}
+    assert by_id["tx-no-mcc"].error_code == "invalid_request" and "`mcc`" in by_id["tx-no-mcc"].error
+    assert by_id["tx-garbage"].error_code == "invalid_request"
+    for e in events:
+        res = by_id[e["id"]]
+        assert res.error_code is None and set(res.scores) == {"legit", "fraud"}, res
+        assert abs(sum(res.scores.values()) - 1) < 1e-6 and res.label in res.scores

@@ -1,0 +1,81 @@
+"""Score requests through the runner with the deterministic fake engine.
+
+The real-engine check (scores equal a direct log-probability computation) is in
+tests/integration/test_score.py.
+"""
+
+import math
+
+import pytest
+
+from schemas import DoneReply, ErrorCode, ErrorReply, Limits, Request, TokenReply
+from worker.fake_engine import FakeEngine
+from worker.runner import Job, Runner
+
+from tests.unit.test_templates import EVENT
+
+
+class Collect:
+    def __init__(self):
+        self.tokens: list[TokenReply] = []
+        self.answer = None
+
+    async def token(self, topic, reply):
+        self.tokens.append(reply)
+
+    async def final(self, topic, reply, running):
+        self.answer = reply
+        return b""
+
+
+class NoAnswers:
+    def put_later(self, rid, payload):
+        pass
+
+
+async def serve(**fields):
+    engine, out = FakeEngine(), Collect()
+    runner = Runner(engine, out, NoAnswers(), Limits(), running=lambda: True)
+    req = Request(id="s1", kind="score", template="fraud", event=EVENT, **fields)
+    await runner.serve(Job(req, "realtime", 0, "replies", None, 0, 0))
+    return engine, out
+
+
+async def test_scores_are_the_label_distribution_renormalised():
+    engine, out = await serve()
+    done = out.answer
+    assert isinstance(done, DoneReply) and done.finish_reason == "scored"
+    assert set(done.scores) == {"legit", "fraud"}
+    assert math.isclose(sum(done.scores.values()), 1.0, abs_tol=1e-9)
+    # the fake's logprob of token t is -1 - (sum(prompt) + t) % 7
+    from schemas.templates import Templates
+
+    t = Templates().get("fraud")
+    base = sum(engine.render_ids(t.render(EVENT), t.chat, t.system))
+    lp = {label: -1.0 - (base + ids[0]) % 7 for label, ids in zip(t.labels, engine.label_ids(list(t.labels), True))}
+    z = sum(math.exp(v) for v in lp.values())
+    assert done.scores == pytest.approx({k: math.exp(v) / z for k, v in lp.items()})
+    assert out.tokens == [] and done.text == "" and done.usage.completion_tokens == 0
+
+
+async def test_custom_labels_and_a_streamed_rationale():
+    _, out = await serve(labels=["approve", "review", "decline"], max_tokens=5)
+    done = out.answer
+    assert list(done.scores) == ["approve", "review", "decline"]
+    assert done.usage.completion_tokens == 5
+    assert "".join(t.text for t in out.tokens) == done.text and done.text
+
+
+@pytest.mark.parametrize("fields,needle", [
+    ({"template": "nope"}, "unknown template `nope`"),
+    ({"event": {k: v for k, v in EVENT.items() if k != "mcc"}}, "`mcc`"),
+    ({"labels": ["fraud", "fraudulent"]}, "begin with the same token"),
+])
+async def test_bad_score_requests_get_an_error_naming_the_problem(fields, needle):
+    engine, out = FakeEngine(), Collect()
+    runner = Runner(engine, out, NoAnswers(), Limits(), running=lambda: True)
+    base = {"id": "s2", "kind": "score", "template": "fraud", "event": EVENT}
+    await runner.serve(Job(Request(**{**base, **fields}), "standard", 5, "replies", None, 0, 0))
+    assert isinstance(out.answer, ErrorReply) and out.answer.code == ErrorCode.INVALID_REQUEST
+    assert needle in out.answer.message
+    assert engine.started == []

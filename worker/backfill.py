@@ -1,0 +1,347 @@
+"""`sluice backfill`: score a bounded range of a topic through the workers, one result per event.
+
+Each source record becomes a non-streaming score request on the batch topic (so
+realtime traffic keeps its priority in the workers); each reply becomes one
+result record in the output topic, keyed by the event id and tagged with the job
+and the source partition/offset in its headers.
+
+Exactly one result per event across crashes: a checkpoint file holds, per
+source partition, the offset below which every record has an acknowledged
+result, and, per output partition, the offset from which results of records
+above that watermark may lie. A restarted job reads the output from there,
+skips every source record that already has a result, and carries on. Requests
+re-sent after a restart reuse their ids, so a worker that already answered one
+replies from its answer store instead of scoring it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+
+from loadgen.burst import ReplyReader
+from schemas import DoneReply, ErrorReply
+from schemas.events import BackfillResult
+from worker.backfill_range import resolve, true_end
+from worker.offsets import OffsetTracker
+
+JOB_HEADER = "x-sluice-backfill"
+SOURCE_HEADER = "x-sluice-source"  # "partition:offset" of the event in the source topic
+BINS = 10
+
+
+@dataclass(frozen=True)
+class Job:
+    source: str
+    out: str
+    template: str
+    start: str | None = None
+    stop: str | None = None
+    labels: tuple[str, ...] | None = None
+    max_tokens: int = 0  # > 0 asks for a generated rationale per event
+    name: str | None = None
+
+    @property
+    def id(self) -> str:
+        """Stable across restarts of the same command: names the checkpoint and the request ids."""
+        if self.name:
+            return self.name
+        spec = json.dumps([self.source, self.out, self.template, self.start, self.stop, self.labels, self.max_tokens])
+        return "bf" + hashlib.sha256(spec.encode()).hexdigest()[:10]
+
+
+def render_summary(cp: "Checkpoint", seconds: float) -> str:
+    lines = [f"events {cp.events}, errors {cp.errors}, {seconds:.1f} s "
+             f"({cp.events / seconds if seconds else 0:.1f} events/s)"]
+    if cp.label:
+        lines.append(f"P({cp.label}) histogram:")
+        top = max(cp.hist) or 1
+        for i, n in enumerate(cp.hist):
+            lines.append(f"  {i / BINS:.1f}-{(i + 1) / BINS:.1f} {n:7d} {'#' * round(40 * n / top)}")
+    return "\n".join(lines)
+
+
+class Checkpoint(msgspec.Struct):
+    job: str
+    ranges: dict[int, list[int]]  # source partition -> [first, end)
+    done: dict[int, int]  # source partition -> every offset below has a result
+    scan_from: dict[int, int]  # output partition -> results above `done` lie at or after this
+    events: int = 0
+    errors: int = 0
+    hist: list[int] = msgspec.field(default_factory=lambda: [0] * BINS)
+    label: str | None = None
+    seconds: float = 0.0
+    complete: bool = False
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(msgspec.json.encode(self))
+        os.replace(tmp, path)  # atomic: a kill leaves the old or the new file, never half
+
+    @classmethod
+    def load(cls, path: Path) -> "Checkpoint | None":
+        try:
+            return msgspec.json.decode(path.read_bytes(), type=cls)
+        except FileNotFoundError:
+            return None
+
+
+def result_from_reply(reply, event_id: str, source: str, p: int, o: int, template: str) -> BackfillResult:
+    if isinstance(reply, ErrorReply):
+        return BackfillResult(event_id=event_id, topic=source, partition=p, offset=o, template=template,
+                              error_code=reply.code.value, error=reply.message)
+    scores = reply.scores or {}
+    return BackfillResult(event_id=event_id, topic=source, partition=p, offset=o, template=template, scores=scores,
+                          label=max(scores, key=scores.get) if scores else None, text=reply.text)
+
+
+class Backfill:
+    def __init__(self, settings, catalog, job: Job, state_dir: str | Path = ".sluice/backfill",
+                 max_in_flight: int = 512, latency_class: str = "batch", progress=None, log=print):
+        self.s, self.catalog, self.job = settings, catalog, job
+        self.path = Path(state_dir) / f"{job.id}.json"
+        self.max_in_flight = max_in_flight
+        self.request_topic = catalog.request_topic(latency_class).name
+        self.progress = progress  # callable(total, initial) -> object with update(n) and close(), or None
+        self.log = log
+        self.stop = asyncio.Event()
+        self._enc = msgspec.json.Encoder()
+        # results whose source offset is above the checkpointed watermark: (p, o) -> (out partition, offset, result)
+        self._landed: dict[tuple[int, int], tuple[int, int, BackfillResult]] = {}
+
+    # -- setup -----------------------------------------------------------------
+
+    async def _ensure_out_topic(self, partitions: int) -> None:
+        admin = AIOKafkaAdminClient(**self.s.kafka_common())
+        await admin.start()
+        try:
+            if self.job.out not in await admin.list_topics():
+                await admin.create_topics([NewTopic(self.job.out, partitions, 1)])
+        except TopicAlreadyExistsError:
+            pass
+        finally:
+            await admin.close()
+
+    async def _out_ends(self, consumer) -> dict[int, int]:
+        await consumer._client.force_metadata_update()
+        parts = consumer.partitions_for_topic(self.job.out) or set()
+        tps = [TopicPartition(self.job.out, p) for p in sorted(parts)]
+        consumer.assign(tps)
+        ends = await consumer.end_offsets(tps)
+        begins = await consumer.beginning_offsets(tps)
+        return {tp.partition: await true_end(consumer, tp, ends[tp], begins[tp]) for tp in tps}
+
+    async def _scan_out(self, consumer, scan_from: dict[int, int]) -> None:
+        """Results this job wrote after its last checkpoint (found again, never written twice)."""
+        tps = [TopicPartition(self.job.out, p) for p in scan_from]
+        consumer.assign(tps)
+        for tp in tps:
+            consumer.seek(tp, scan_from[tp.partition])
+        dec = msgspec.json.Decoder(BackfillResult)
+        job = self.job.id.encode()
+        while True:
+            batch = await consumer.getmany(timeout_ms=500)
+            if not batch:
+                return
+            for recs in batch.values():
+                for rec in recs:
+                    headers = dict(rec.headers or ())
+                    if headers.get(JOB_HEADER) != job:
+                        continue
+                    p, o = (int(x) for x in headers[SOURCE_HEADER].decode().split(":"))
+                    self._landed.setdefault((p, o), (rec.partition, rec.offset, dec.decode(rec.value)))
+
+    # -- the run ---------------------------------------------------------------
+
+    async def run(self) -> Checkpoint:
+        """Score what is left of the range; returns the checkpoint (`complete` unless stopped)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        probe = AIOKafkaConsumer(**self.s.kafka_common(), enable_auto_commit=False, fetch_max_wait_ms=50)
+        await probe.start()
+        try:
+            cp = Checkpoint.load(self.path)
+            if cp is None:
+                ranges = await resolve(probe, self.job.source, self.job.start, self.job.stop)
+                await self._ensure_out_topic(len(ranges))
+                cp = Checkpoint(self.job.id, ranges, {p: r[0] for p, r in ranges.items()}, await self._out_ends(probe))
+                cp.save(self.path)
+                self.log(f"backfill {self.job.id}: {sum(e - s for s, e in ranges.values())} events in "
+                         f"{len(ranges)} partitions of {self.job.source} -> {self.job.out}")
+            elif not cp.complete:
+                self.log(f"backfill {self.job.id}: resuming from {self.path}")
+            if not cp.complete:
+                await self._scan_out(probe, cp.scan_from)
+        finally:
+            await probe.stop()
+        if not cp.complete:
+            try:
+                await self._score(cp)
+            finally:
+                cp.seconds += time.monotonic() - t0
+                cp.save(self.path)
+        return cp
+
+    def _fold(self, cp: Checkpoint) -> None:
+        """Results below the watermark are settled: count them into the checkpoint."""
+        for key in [k for k in self._landed if k[1] < cp.done[k[0]]]:
+            add_to(cp, self._landed.pop(key)[2])
+
+    def counts(self, cp: Checkpoint) -> Checkpoint:
+        """The checkpoint's counts plus results not folded yet (for an interrupted run's summary)."""
+        view = msgspec.structs.replace(cp, hist=list(cp.hist))
+        for _, _, res in self._landed.values():
+            add_to(view, res)
+        return view
+
+    async def _score(self, cp: Checkpoint) -> None:
+        job, source = self.job, self.job.source
+        reader = ReplyReader(self.s.kafka_bootstrap, self.catalog.replies.name)
+        await reader.start()
+        producer = AIOKafkaProducer(**self.s.kafka_common(), acks="all", linger_ms=5)
+        await producer.start()
+        consumer = AIOKafkaConsumer(**self.s.kafka_common(), enable_auto_commit=False, fetch_max_wait_ms=50)
+        await consumer.start()
+        tracker = OffsetTracker()
+        pending: dict[str, tuple[int, int, str]] = {}  # request id -> (partition, offset, event id)
+        slots = asyncio.Semaphore(self.max_in_flight)
+        tps = {p: TopicPartition(source, p) for p, (_, e) in cp.ranges.items() if cp.done[p] < e}
+        out_next: dict[int, int] = dict(cp.scan_from)  # per output partition: past our last acked result
+        failures: list[BaseException] = []
+        total = sum(e - s for s, e in cp.ranges.values())
+        bar = self.progress(total, cp.events + len(self._landed)) if self.progress else None
+        result_enc = msgspec.json.Encoder()
+
+        def checkpoint() -> None:
+            for tp, off in tracker.to_commit().items():
+                cp.done[tp.partition] = off
+            tracker.committed({tps[p]: cp.done[p] for p in tps})
+            self._fold(cp)
+            lows: dict[int, int] = {}
+            for q, off, _ in self._landed.values():
+                lows[q] = min(lows.get(q, off), off)
+            cp.scan_from = {q: lows.get(q, out_next.get(q, cp.scan_from.get(q, 0))) for q in out_next}
+            cp.save(self.path)
+
+        async def emit(p: int, o: int, res: BackfillResult) -> None:
+            try:
+                fut = await producer.send(job.out, result_enc.encode(res), key=res.event_id.encode(),
+                                          headers=[(JOB_HEADER, job.id.encode()), (SOURCE_HEADER, f"{p}:{o}".encode())])
+                meta = await fut
+            except Exception as exc:  # never checkpoint past an event without its result
+                failures.append(exc)
+                self.stop.set()
+                return
+            out_next[meta.partition] = max(out_next.get(meta.partition, 0), meta.offset + 1)
+            self._landed[(p, o)] = (meta.partition, meta.offset, res)
+            tracker.finish(tps[p], o)
+            slots.release()
+            if bar:
+                bar.update(1)
+
+        async def replies() -> None:
+            while True:
+                async for reply in reader.records(timeout_ms=100):
+                    if isinstance(reply, (DoneReply, ErrorReply)) and reply.id in pending:
+                        p, o, event_id = pending.pop(reply.id)  # a repeated final finds nothing pending
+                        asyncio.create_task(emit(p, o, result_from_reply(reply, event_id, source, p, o, job.template)))
+
+        async def checkpoints() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                checkpoint()
+
+        async def intake() -> None:
+            consumer.assign(list(tps.values()))
+            for p, tp in tps.items():
+                consumer.seek(tp, cp.done[p])
+            reading = set(tps)
+            while reading:
+                batch = await consumer.getmany(*[tps[p] for p in reading], timeout_ms=200, max_records=256)
+                for tp, recs in batch.items():
+                    end = cp.ranges[tp.partition][1]
+                    for rec in recs:
+                        if rec.offset >= end:
+                            break
+                        tracker.take(tp, rec.offset)
+                        if (tp.partition, rec.offset) in self._landed:
+                            tracker.finish(tp, rec.offset)  # its result is already in the output
+                            continue
+                        await slots.acquire()
+                        if self.stop.is_set():
+                            return
+                        await self._submit(producer, rec, pending, emit)
+                for p in list(reading):
+                    if await consumer.position(tps[p]) >= cp.ranges[p][1]:
+                        reading.discard(p)
+            while pending or tracker.pending():
+                await asyncio.sleep(0.1)
+
+        tasks = [asyncio.create_task(replies()), asyncio.create_task(checkpoints())]
+        work = asyncio.create_task(intake())
+        stopped = asyncio.create_task(self.stop.wait())
+        try:
+            await asyncio.wait([work, stopped], return_when=asyncio.FIRST_COMPLETED)
+            finished = work.done() and not work.cancelled() and work.exception() is None and not failures
+            if work.done() and work.exception() is not None:
+                raise work.exception()
+            await producer.flush()
+            await asyncio.sleep(0.05)  # acknowledged sends record themselves
+            checkpoint()
+            if failures:
+                raise failures[0]
+            if finished:
+                cp.done = {p: r[1] for p, r in cp.ranges.items()}
+                self._fold(cp)
+                cp.complete = True
+        finally:
+            for t in (*tasks, work, stopped):
+                t.cancel()
+            await asyncio.gather(*tasks, work, stopped, return_exceptions=True)
+            if bar:
+                bar.close()
+            await consumer.stop()
+            await producer.stop()
+            await reader.stop()
+
+    async def _submit(self, producer, rec, pending, emit) -> None:
+        """One source record -> one score request (or, if it is not an event at all, an error result)."""
+        p, o = rec.partition, rec.offset
+        key = (rec.key or b"").decode("utf-8", "replace")
+        try:
+            event = msgspec.json.decode(rec.value or b"")
+            if not isinstance(event, dict):
+                raise ValueError("the record is not a JSON object")
+        except (msgspec.DecodeError, ValueError) as exc:
+            await emit(p, o, BackfillResult(event_id=key or f"{p}:{o}", topic=self.job.source, partition=p, offset=o,
+                                            template=self.job.template, error_code="invalid_request",
+                                            error=f"source record is not a JSON event: {exc}"))
+            return
+        eid = event.get("id")
+        event_id = eid if isinstance(eid, str) and eid else (key or f"{p}:{o}")
+        rid = f"{self.job.id}-{p}-{o}"
+        pending[rid] = (p, o, event_id)
+        body = {"id": rid, "kind": "score", "template": self.job.template, "event": event, "stream": False,
+                "max_tokens": self.job.max_tokens, "reply_to": self.catalog.replies.name}
+        if self.job.labels:
+            body["labels"] = list(self.job.labels)
+        await producer.send(self.request_topic, self._enc.encode(body), key=rid.encode())
+
+
+def add_to(cp: Checkpoint, res: BackfillResult) -> None:
+    cp.events += 1
+    if res.error_code:
+        cp.errors += 1
+    elif res.scores:
+        cp.label = list(res.scores)[-1]
+        cp.hist[min(BINS - 1, int(res.scores[cp.label] * BINS))] += 1
