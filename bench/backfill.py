@@ -30,6 +30,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench import common  # noqa: E402
+from worker.engine import resolve_dtype  # noqa: E402
 from loadgen.burst import produce, read_topic  # noqa: E402
 from loadgen.events import transactions  # noqa: E402
 
@@ -45,7 +46,7 @@ def offline_child(args) -> None:
     from schemas.templates import Templates
 
     template = Templates().get("fraud")
-    llm = LLM(model=args.model, dtype="bfloat16", max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+    llm = LLM(model=args.model, dtype=resolve_dtype("auto", "cpu"), max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               enable_prefix_caching=True, disable_log_stats=True)
     tok = llm.get_tokenizer()
 

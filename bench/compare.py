@@ -37,6 +37,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench import common  # noqa: E402
+from worker.engine import resolve_dtype  # noqa: E402
 from loadgen.burst import COUNTRIES, MERCHANTS, ReplyReader, percentile, produce  # noqa: E402
 from schemas import DoneReply, ErrorReply  # noqa: E402
 
@@ -75,7 +76,7 @@ def offline_child(args) -> None:
     from vllm import LLM, SamplingParams
 
     texts = prompts(args.model, args.requests, args.prompt_tokens)
-    llm = LLM(model=args.model, dtype="bfloat16", max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+    llm = LLM(model=args.model, dtype=resolve_dtype("auto", "cpu"), max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               enable_prefix_caching=True, disable_log_stats=True)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     llm.generate([f"warm up {i}" for i in range(8)], SamplingParams(max_tokens=8), use_tqdm=False)
@@ -105,7 +106,7 @@ async def run_server(args, texts: list[str]) -> dict:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--port", str(port),
-         "--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", str(args.max_model_len),
+         "--host", "127.0.0.1", "--dtype", resolve_dtype("auto", "cpu"), "--max-model-len", str(args.max_model_len),
          "--max-num-seqs", str(args.max_num_seqs), "--enable-prefix-caching", "--disable-log-stats",
          "--uvicorn-log-level", "warning"],
         env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(OUT / ".compare-server.log", "w"),

@@ -1,4 +1,10 @@
-"""Final answers in Redis Cluster, keyed by request id: the idempotency record.
+"""Final answers and progress checkpoints in Redis Cluster, keyed by request id.
+
+Progress: before a token record is produced, its chunk (seq, token ids, text) is
+written to the request's progress hash (write-ahead), so a worker that picks
+the request up after its owner died knows every token that may have reached a
+reader, re-sends those records unchanged, and continues after them. Answering
+the request deletes its progress.
 
 A request id is the producer's idempotency key. When a worker answers a request
 it stores the encoded final reply (`done` or `error`) with a TTL; a record that
@@ -15,6 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
+
+import msgspec
 
 import structlog
 from redis.asyncio.cluster import RedisCluster
@@ -23,13 +32,38 @@ from redis.exceptions import RedisClusterException, RedisError
 from worker import metrics
 
 log = structlog.get_logger("sluice.answers")
+_chunk_enc = msgspec.msgpack.Encoder()
+_chunk_dec = msgspec.msgpack.Decoder(tuple[list[int], str])
+_scores_dec = msgspec.msgpack.Decoder(dict[str, float])
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What an earlier owner of a request emitted: contiguous chunks from seq 0."""
+
+    chunks: list[tuple[list[int], str]]
+    scores: dict[str, float] | None = None
+
+    @classmethod
+    def from_hash(cls, h: dict | None) -> "Progress | None":
+        if not h:
+            return None
+        chunks = []
+        try:
+            while (raw := h.get(f"c{len(chunks)}".encode())) is not None:
+                chunks.append(_chunk_dec.decode(raw))
+            scores = _scores_dec.decode(h[b"scores"]) if b"scores" in h else None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None  # unreadable progress: start over rather than guess
+        return cls(chunks, scores) if chunks else None
 # RedisClusterException ("no reachable node") is not a RedisError.
 REDIS_DOWN = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 
 
 class AnswerStore:
-    def __init__(self, url: str, prefix: str, ttl_s: int, timeout_ms: int, backoff_s: float = 2.0):
-        self.url, self.prefix, self.ttl_s = url, prefix, ttl_s
+    def __init__(self, url: str, prefix: str, ttl_s: int, timeout_ms: int, backoff_s: float = 2.0,
+                 progress_ttl_s: int = 86400):
+        self.url, self.prefix, self.ttl_s, self.progress_ttl_s = url, prefix, ttl_s, progress_ttl_s
         self.timeout = timeout_ms / 1000
         self.backoff_s = backoff_s
         self._client: RedisCluster | None = None
@@ -40,8 +74,11 @@ class AnswerStore:
         self._writer: asyncio.Task | None = None
 
     def key(self, request_id: str) -> str:
-        # The hash tag keeps every key of one request in one slot (multi-key ops later).
+        # The hash tag keeps every key of one request in one slot.
         return f"{self.prefix}:req:{{{request_id}}}:answer"
+
+    def progress_key(self, request_id: str) -> str:
+        return f"{self.prefix}:req:{{{request_id}}}:progress"
 
     async def start(self) -> None:
         await self._connect()
@@ -118,6 +155,38 @@ class AnswerStore:
         found = await self._call(run)
         return list(found) if found is not None else [None] * len(request_ids)
 
+    async def lookup_many(self, request_ids: list[str]) -> list[tuple[bytes | None, Progress | None]]:
+        """(stored answer, progress) per id, one pipelined round; (None, None)s when degraded."""
+        if not request_ids:
+            return []
+
+        async def run(c):
+            pipe = c.pipeline()
+            for rid in request_ids:
+                pipe.get(self.key(rid))
+                pipe.hgetall(self.progress_key(rid))
+            return await pipe.execute()
+
+        found = await self._call(run)
+        if found is None:
+            return [(None, None)] * len(request_ids)
+        return [(found[2 * i], Progress.from_hash(found[2 * i + 1])) for i in range(len(request_ids))]
+
+    async def append_chunk(self, request_id: str, seq: int, token_ids: list[int], text: str,
+                           scores: dict[str, float] | None = None) -> None:
+        """Write-ahead: call before the token record with this seq is produced."""
+        fields = {f"c{seq}": _chunk_enc.encode((token_ids, text))}
+        if scores is not None:
+            fields["scores"] = _chunk_enc.encode(scores)
+
+        async def run(c):
+            pipe = c.pipeline()
+            pipe.hset(self.progress_key(request_id), mapping=fields)
+            pipe.expire(self.progress_key(request_id), self.progress_ttl_s)
+            return await pipe.execute()
+
+        await self._call(run)
+
     async def put(self, request_id: str, final_reply: bytes) -> None:
         await self._call(lambda c: c.set(self.key(request_id), final_reply, ex=self.ttl_s))
 
@@ -126,6 +195,7 @@ class AnswerStore:
             pipe = c.pipeline()
             for rid, payload in items:
                 pipe.set(self.key(rid), payload, ex=self.ttl_s)
+                pipe.delete(self.progress_key(rid))  # answered: nothing left to resume
             return await pipe.execute()
 
         if items:

@@ -19,6 +19,9 @@ class GenParams:
     stop: tuple[str, ...] = ()
     # Score requests: log-probabilities of these token ids at the first generated position.
     logprob_token_ids: tuple[int, ...] = ()
+    # KV pages in Redis: whose pages these are (None: no lookup, no save), and whether to save
+    tenant: str | None = None
+    save_pages: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +35,9 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: dict[int, float] | None = None
+    # on the last delta: prompt tokens served from the local prefix cache and loaded from Redis
+    cached_tokens: int = 0
+    kv: dict | None = None
 
 
 class EngineDead(RuntimeError):
@@ -60,11 +66,29 @@ class Engine(Protocol):
 class EngineConfig:
     model: str
     device: str = "auto"  # auto | cpu | cuda | npu
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
     max_model_len: int = 2048
     max_num_seqs: int = 64
     cpu_kvcache_gib: int = 2
     gpu_memory_utilization: float = 0.85
     enable_prefix_caching: bool = True
+    # KV pages in Redis Cluster (None: off): redis_url, key_prefix, ttl_s, timeout_s
+    kv_store: dict | None = None
+
+
+def model_fingerprint(model: str, dtype: str) -> str:
+    """Names the exact weights and KV layout, so pages of another model or dtype never match."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256(dtype.encode())
+    root = Path(model)
+    for name in ("sluice-manifest.json", "config.json"):
+        if (root / name).is_file():
+            h.update((root / name).read_bytes())
+    if not (root / "config.json").is_file():
+        h.update(model.encode())  # a hub id: the name is all we have
+    return h.hexdigest()[:32]
 
 
 def detect_device(requested: str) -> str:
@@ -86,6 +110,27 @@ def detect_device(requested: str) -> str:
     return "cpu"
 
 
+def cpu_has_fast_bf16() -> bool:
+    """bf16 matmuls are only fast on CPUs with AVX512-BF16 or AMX; elsewhere float32 is several times faster."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def resolve_dtype(requested: str, device: str) -> str:
+    if requested != "auto":
+        return requested
+    if device == "cpu":
+        return "bfloat16" if cpu_has_fast_bf16() else "float32"
+    return "auto"  # the model's own dtype on GPU / NPU
+
+
 class VllmEngine:
     """vLLM `AsyncLLM` with token-id prompts, delta outputs and priority scheduling."""
 
@@ -102,15 +147,26 @@ class VllmEngine:
 
         self._SamplingParams = SamplingParams
         self._delta = RequestOutputKind.DELTA
+        dtype = resolve_dtype(config.dtype, self.device)
+        kv_transfer = None
+        if config.kv_store is not None:
+            from vllm.config import KVTransferConfig
+
+            extra = {**config.kv_store, "fingerprint": model_fingerprint(config.model, dtype)}
+            kv_transfer = KVTransferConfig(kv_connector="SluiceKVConnector", kv_connector_module_path="worker.kv_connector",
+                                           kv_role="kv_both", kv_load_failure_policy="recompute",
+                                           kv_connector_extra_config=extra)
+        self.kv_enabled = kv_transfer is not None
         args = AsyncEngineArgs(
             model=config.model,
-            dtype="bfloat16" if self.device == "cpu" else "auto",
+            dtype=dtype,
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
             scheduling_policy="priority",
             enable_prefix_caching=config.enable_prefix_caching,
             gpu_memory_utilization=config.gpu_memory_utilization,
             disable_log_stats=True,
+            kv_transfer_config=kv_transfer,
         )
         self._llm = AsyncLLM.from_engine_args(args)
         self._tokenizer = self._llm.get_tokenizer()
@@ -147,6 +203,8 @@ class VllmEngine:
             stop=list(params.stop) or None,
             output_kind=self._delta,
             logprob_token_ids=list(params.logprob_token_ids) or None,
+            extra_args=({"kv_transfer_params": {"sluice": {"tenant": params.tenant, "save": params.save_pages}}}
+                        if self.kv_enabled and params.tenant is not None else None),
         )
 
     async def generate(self, request_id, prompt_ids, params, priority) -> AsyncIterator[Delta]:
@@ -165,8 +223,12 @@ class VllmEngine:
                 if params.logprob_token_ids and completion.logprobs:
                     first = completion.logprobs[0]
                     logprobs = {t: first[t].logprob for t in params.logprob_token_ids if t in first}
-                yield Delta(completion.text, list(completion.token_ids),
-                            completion.finish_reason if out.finished else None, logprobs)
+                if out.finished:
+                    kv = (out.kv_transfer_params or {}).get("sluice")
+                    yield Delta(completion.text, list(completion.token_ids), completion.finish_reason, logprobs,
+                                out.num_cached_tokens or 0, kv)
+                else:
+                    yield Delta(completion.text, list(completion.token_ids), None, logprobs)
         except EngineDeadError as exc:
             raise EngineDead(str(exc)) from exc
 

@@ -36,3 +36,38 @@ suspended = Counter("sluice_requests_suspended_total", "Running requests suspend
 commits = Counter("sluice_offset_commits_total", "Offset commits", ["result"], registry=REGISTRY)
 redis_up = Gauge("sluice_redis_up", "1 when Redis Cluster answers, 0 while degraded", registry=REGISTRY)
 engine_up = Gauge("sluice_engine_up", "1 while the engine serves", registry=REGISTRY)
+
+# KV pages in Redis (reported by the engine's connector with each finished request)
+prefill_tokens = Counter("sluice_prefill_tokens_total",
+                         "Prompt tokens by where their KV came from: computed, local_cache, redis",
+                         ["class", "source"], registry=REGISTRY)
+kv_pages = Counter("sluice_kv_pages_total", "KV pages moved to or from Redis", ["op"], registry=REGISTRY)
+kv_bytes = Counter("sluice_kv_bytes_total", "KV page bytes moved to or from Redis", ["op"], registry=REGISTRY)
+kv_load_misses = Counter("sluice_kv_load_misses_total",
+                         "Stored pages not used (recomputed instead), by reason: missing, corrupt, checksum, "
+                         "layout, unavailable", ["reason"], registry=REGISTRY)
+kv_save_failures = Counter("sluice_kv_save_failures_total", "Pages not saved: dropped (writer behind) or failed",
+                           ["reason"], registry=REGISTRY)
+kv_lookups_unavailable = Counter("sluice_kv_lookups_unavailable_total",
+                                 "Page lookups skipped because Redis was unavailable", registry=REGISTRY)
+resumed = Counter("sluice_requests_resumed_total", "Requests continued from another worker's progress",
+                  ["class"], registry=REGISTRY)
+
+
+def record_kv(cls: str, prompt_len: int, cached_tokens: int, kv: dict | None) -> None:
+    """Account one finished request's prefill and the connector counts it carried."""
+    loaded = int((kv or {}).get("loaded_tokens", 0))
+    prefill_tokens.labels(cls, "redis").inc(loaded)
+    prefill_tokens.labels(cls, "local_cache").inc(max(0, cached_tokens - loaded))
+    prefill_tokens.labels(cls, "computed").inc(max(0, prompt_len - max(cached_tokens, loaded)))
+    for name, n in ((kv or {}).get("counts") or {}).items():
+        if name in ("stored_pages", "loaded_pages"):
+            kv_pages.labels(name.removesuffix("_pages")).inc(n)
+        elif name in ("stored_bytes", "loaded_bytes"):
+            kv_bytes.labels(name.removesuffix("_bytes")).inc(n)
+        elif name.startswith("load_miss_"):
+            kv_load_misses.labels(name.removeprefix("load_miss_")).inc(n)
+        elif name.startswith("save_"):
+            kv_save_failures.labels(name.removeprefix("save_")).inc(n)
+        elif name == "lookup_unavailable":
+            kv_lookups_unavailable.inc(n)

@@ -43,6 +43,8 @@ class Job:
     labels: list[str] | None = None
     label_ids: tuple[int, ...] = ()
     scores: dict[str, float] | None = None
+    progress: object = None  # answers.Progress left by an earlier owner that died
+    resumed: bool = False
     suspend: asyncio.Event = field(default_factory=asyncio.Event)
     slot_released: bool = True  # set False while the job holds an engine slot
 
@@ -126,6 +128,8 @@ class Runner:
                     self.prepare_score(job)
                 else:
                     job.prompt_ids = self.engine.prompt_ids(req)
+                if job.progress is not None:
+                    await self._resume(job, log)
             final = await self._generate(job, self.params(req, len(job.prompt_ids), job.label_ids), log)
         except Rejected as exc:
             final = ErrorReply(req.id, exc.code, exc.message)
@@ -142,6 +146,20 @@ class Runner:
         self.answers.put_later(req.id, payload)
         log.info("request_answered", outcome=outcome, segments=job.segments)
 
+    async def _resume(self, job: Job, log) -> None:
+        """Continue after the tokens an earlier owner emitted: re-send them unchanged, then generate the rest."""
+        progress, job.progress = job.progress, None
+        job.resumed = True
+        job.scores = progress.scores if job.label_ids else None
+        for ids, text in progress.chunks:
+            job.generated.extend(ids)
+            job.texts.append(text)
+            # a repeat of what readers may already have: same seq, same text
+            await self.emitter.token(job.reply_to, TokenReply(job.request.id, job.seq, text, ids))
+            job.seq += 1
+        metrics.resumed.labels(job.latency_class).inc()
+        log.info("request_resumed", emitted_tokens=len(job.generated), next_seq=job.seq)
+
     async def resend(self, job: Job, stored: bytes) -> None:
         """A repeat of an answered id: re-send the same final reply, run nothing."""
         metrics.duplicates.labels(job.latency_class).inc()
@@ -156,17 +174,19 @@ class Runner:
         engine_id = f"{req.id}@{getattr(job.tp, 'partition', 0)}:{job.offset}#{job.segments}"
         remaining = params.max_tokens - len(job.generated)
         want_scores = bool(job.label_ids) and job.scores is None
-        params = GenParams(remaining, params.temperature, params.top_p, params.seed, params.stop,
-                           job.label_ids if want_scores else ())
         scores_only = req.kind == "score" and not req.max_tokens
+        params = GenParams(remaining, params.temperature, params.top_p, params.seed, params.stop,
+                           job.label_ids if want_scores else (), tenant=req.tenant, save_pages=not scores_only)
         chunk = _Chunk(self, job) if req.stream and not scores_only else None
         finish = "stop"
         new_tokens = 0
+        prefix_len = len(job.prompt_ids) + len(job.generated)  # this segment's prompt, as the engine sees it
         async for delta in self.engine.generate(engine_id, job.prompt_ids + job.generated, params, job.priority):
             if want_scores and job.scores is None:
                 job.scores = self._scores(job, delta.logprobs)
             if scores_only:
                 finish = "scored"
+                metrics.record_kv(cls, prefix_len, delta.cached_tokens, delta.kv)
                 if delta.finish_reason is None:
                     await self.engine.abort(engine_id)
                 break
@@ -180,6 +200,7 @@ class Runner:
                     await chunk.add(delta.text, delta.token_ids)
             if delta.finish_reason is not None:
                 finish = delta.finish_reason
+                metrics.record_kv(cls, prefix_len, delta.cached_tokens, delta.kv)
             elif req.deadline_ms is not None and _now_ms() >= req.deadline_ms:
                 await self.engine.abort(engine_id)
                 finish = "deadline"
@@ -197,7 +218,7 @@ class Runner:
         metrics.tokens_generated.labels(cls).inc(new_tokens)
         metrics.prompt_tokens.labels(cls).inc(len(job.prompt_ids))
         return DoneReply(req.id, job.seq, "".join(job.texts), finish, Usage(len(job.prompt_ids), len(job.generated)),
-                         scores=job.scores)
+                         scores=job.scores, resumed=job.resumed)
 
     @staticmethod
     def _scores(job: Job, logprobs: dict[int, float] | None) -> dict[str, float]:
@@ -230,7 +251,11 @@ class _Chunk:
 
     async def flush(self) -> None:
         if self.ids:
-            reply = TokenReply(self.job.request.id, self.job.seq, "".join(self.texts), self.ids)
-            await self.runner.emitter.token(self.job.reply_to, reply)
+            job = self.job
+            reply = TokenReply(job.request.id, job.seq, "".join(self.texts), self.ids)
+            # write-ahead: whoever resumes this request re-sends exactly this record
+            await self.runner.answers.append_chunk(job.request.id, job.seq, reply.token_ids, reply.text,
+                                                   job.scores if job.seq == 0 else None)
+            await self.runner.emitter.token(job.reply_to, reply)
             self.job.seq += 1
             self.texts, self.ids = [], []

@@ -20,10 +20,13 @@ def engine_config(settings: Settings) -> EngineConfig:
     return EngineConfig(
         model=settings.model,
         device=settings.device,
+        dtype=settings.dtype,
         max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs,
         cpu_kvcache_gib=settings.cpu_kvcache_gib,
         gpu_memory_utilization=settings.gpu_memory_utilization,
+        kv_store={"redis_url": settings.redis_url, "key_prefix": settings.redis_key_prefix,
+                  "ttl_s": settings.kv_ttl_s, "timeout_s": settings.redis_timeout_ms / 1000} if settings.kv_pages else None,
     )
 
 

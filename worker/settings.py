@@ -51,7 +51,14 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # Engine
     model: str = ".sluice/models/smollm2-135m-instruct"
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    # auto: bfloat16 on CPUs with AVX512-BF16/AMX, float32 on other CPUs, the model's dtype on GPU/NPU
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     max_model_len: Positive = 2048
+    # KV pages in Redis Cluster: requests continue on another worker without recomputing their prefix
+    kv_pages: bool = True
+    kv_ttl_s: Positive = 3600
+    # Progress checkpoints (tokens emitted, next seq) live as long as an unfinished request may wait
+    progress_ttl_s: Positive = 86400
     max_num_seqs: Positive = 64
     cpu_kvcache_gib: Positive = 2
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.85

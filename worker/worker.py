@@ -57,7 +57,7 @@ class Worker:
         self.emitter = Emitter(kafka, settings.kafka_idempotence, catalog.dlq.name, settings.kafka_client_id,
                                default_reply_topic=catalog.replies.name)
         self.answers = AnswerStore(settings.redis_url, settings.redis_key_prefix, settings.redis_ttl_s,
-                                   settings.redis_timeout_ms)
+                                   settings.redis_timeout_ms, progress_ttl_s=settings.progress_ttl_s)
         self.consumer = AIOKafkaConsumer(
             **kafka,
             client_id=f"{settings.kafka_client_id}-consumer",
@@ -168,11 +168,12 @@ class Worker:
                     if (job := self._take(topic, tp, record)) is not None]
             if not jobs:
                 continue
-            stored = await self.answers.get_many([job.request.id for job in jobs])
+            stored = await self.answers.lookup_many([job.request.id for job in jobs])
             owned = set(self.tracker.partitions())  # a rebalance may have run during the lookup
-            for job, answer in zip(jobs, stored):
+            for job, (answer, progress) in zip(jobs, stored):
                 if job.tp not in owned:
                     continue
+                job.progress = progress  # an earlier owner died mid-stream: continue after its last token
                 if answer is not None:
                     self._spawn(self.runner.resend(job, answer), cls, job.tp, job.offset)
                 else:

@@ -32,6 +32,9 @@ class NoAnswers:
     def put_later(self, rid, payload):
         pass
 
+    async def append_chunk(self, *args):
+        pass
+
 
 async def serve(**fields):
     engine, out = FakeEngine(), Collect()

@@ -1,0 +1,358 @@
+"""A vLLM KV connector that keeps full KV pages in Redis Cluster.
+
+Registered through `kv_transfer_config` (see `worker.engine`); vLLM builds one
+instance in the scheduler process and one in each model-runner process.
+
+Scheduler side: for a request that sluice marked (`kv_transfer_params` with its
+tenant), find how many leading pages beyond the local prefix cache exist in
+Redis (one pipelined EXISTS), ask vLLM to allocate blocks for them, and each
+step tell the model runner which pages to load and which newly completed pages
+(prompt and decode) to save.
+
+Model-runner side: loads are fetched with one pipelined GET, checked (layout,
+BLAKE2b over key and bytes) and copied into the paged cache before the forward
+pass; a page that is missing or fails a check is reported through
+`get_block_ids_with_load_errors`, and vLLM (policy `recompute`) computes it
+instead. Saves copy each completed page out of every layer after the forward
+pass and hand it to a writer thread (pipelined SET with TTL), so Redis latency
+never stalls a step; if the writer falls behind, pages are dropped and counted.
+
+Redis trouble is never fatal: after an error the connector stops talking to
+Redis for `retry_s` (lookups miss, saves are dropped) and then tries again.
+Counts travel back to sluice in the finished request's `kv_transfer_params`.
+"""
+
+from __future__ import annotations
+
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from worker import kv_pages
+
+PARAMS_KEY = "sluice"  # inside kv_transfer_params
+
+
+class _Redis:
+    """A redis-py cluster client that backs off after an error instead of failing the engine."""
+
+    def __init__(self, url: str, timeout_s: float, retry_s: float):
+        self.url, self.timeout_s, self.retry_s = url, timeout_s, retry_s
+        self._client = None
+        self._down_until = 0.0
+
+    def client(self):
+        if time.monotonic() < self._down_until:
+            return None
+        if self._client is None:
+            from redis.cluster import RedisCluster
+
+            try:
+                self._client = RedisCluster.from_url(self.url, socket_timeout=self.timeout_s,
+                                                     socket_connect_timeout=self.timeout_s)
+            except Exception:
+                self.failed()
+                return None
+        return self._client
+
+    def failed(self) -> None:
+        self._down_until = time.monotonic() + self.retry_s
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                pass
+
+    def pipeline_run(self, commands) -> list | None:
+        """[(method, args...)] in one cluster pipeline; None if Redis is unavailable."""
+        client = self.client()
+        if client is None:
+            return None
+        try:
+            pipe = client.pipeline(transaction=False)
+            for method, *args in commands:
+                getattr(pipe, method)(*args)
+            return pipe.execute(raise_on_error=True)
+        except Exception:
+            self.failed()
+            return None
+
+
+@dataclass
+class _Transfer:
+    req_id: str
+    pages: list[tuple[bytes, int]]  # (page digest, block id)
+
+
+@dataclass
+class SluiceKVMetadata(KVConnectorMetadata):
+    loads: list[_Transfer] = field(default_factory=list)
+    saves: list[_Transfer] = field(default_factory=list)
+
+
+@dataclass
+class SluiceKVWorkerMetadata(KVConnectorWorkerMetadata):
+    counts: dict[str, int] = field(default_factory=dict)
+    loaded_pages: dict[str, int] = field(default_factory=dict)  # req id -> leading pages loaded intact
+
+    def aggregate(self, other: "SluiceKVWorkerMetadata") -> "SluiceKVWorkerMetadata":
+        counts = dict(self.counts)
+        for k, v in other.counts.items():
+            counts[k] = counts.get(k, 0) + v
+        loaded = dict(self.loaded_pages)
+        for k, v in other.loaded_pages.items():
+            loaded[k] = min(v, loaded.get(k, v))
+        return SluiceKVWorkerMetadata(counts, loaded)
+
+
+@dataclass
+class _ReqState:
+    request: Any
+    seed: bytes
+    save: bool
+    blocks: list[int] = field(default_factory=list)
+    digests: list[bytes] = field(default_factory=list)
+    saved_pages: int = 0  # leading pages known to be in Redis
+    load_from: int = 0  # pages [load_from, load_to) come from Redis
+    load_to: int = 0
+    loaded_pages: int | None = None
+
+
+def _layer_order(name: str):
+    m = re.search(r"\.(\d+)\.", name)
+    return (int(m.group(1)) if m else -1, name)
+
+
+class SluiceKVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.block_size = vllm_config.cache_config.block_size
+        self.prefix = extra.get("key_prefix", "sluice")
+        self.fingerprint = extra.get("fingerprint", "")
+        self.ttl_s = int(extra.get("ttl_s", 3600))
+        self.redis = _Redis(extra.get("redis_url", "redis://127.0.0.1:17001"),
+                            float(extra.get("timeout_s", 0.5)), float(extra.get("retry_s", 5.0)))
+        # scheduler side
+        self._reqs: dict[str, _ReqState] = {}
+        self._pending_counts: dict[str, int] = {}
+        # model-runner side
+        self._load_errors: set[int] = set()
+        self._counts: dict[str, int] = {}
+        self._loaded: dict[str, int] = {}
+        self._save_buf: dict[str, list[torch.Tensor]] = {}  # layer -> page tensors, this step
+        self._writer: queue.Queue | None = None
+        self._max_queue = int(extra.get("max_queued_pages", 4096))
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._counts[name] = self._counts.get(name, 0) + n
+
+    def _key(self, digest: bytes) -> str:
+        return kv_pages.key(self.prefix, digest)
+
+    # -- scheduler side --------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        params = (request.kv_transfer_params or {}).get(PARAMS_KEY)
+        if params is None:
+            return 0, False
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._reqs[request.request_id] = _ReqState(
+                request, kv_pages.root(self.fingerprint, str(params.get("tenant", "default"))), bool(params.get("save")))
+        tokens = request.all_token_ids
+        # vLLM must compute at least the last token itself
+        full = (len(tokens) - 1) // self.block_size
+        st.digests = kv_pages.chain(st.seed, tokens, self.block_size, full)
+        start = num_computed_tokens // self.block_size
+        if not params.get("lookup", True) or full <= start:
+            return 0, False
+        found = self.redis.pipeline_run([("exists", self._key(d)) for d in st.digests[start:]])
+        if found is None:
+            self._pending_counts["lookup_unavailable"] = self._pending_counts.get("lookup_unavailable", 0) + 1
+            return 0, False
+        hit = start
+        for ok in found:
+            if not ok:
+                break
+            hit += 1
+        st.saved_pages = max(st.saved_pages, hit)
+        if hit <= start:
+            return 0, False
+        st.load_from, st.load_to = start, hit
+        return hit * self.block_size - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        st = self._reqs.get(request.request_id)
+        if st is not None and num_external_tokens == 0:
+            st.load_from = st.load_to = 0
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        meta = SluiceKVMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.blocks = list(new.block_ids[0])
+            if st.load_to > st.load_from:
+                meta.loads.append(_Transfer(new.req_id, [(st.digests[i], st.blocks[i])
+                                                         for i in range(st.load_from, st.load_to)]))
+                st.loaded_pages = st.load_to - st.load_from
+            self._plan_saves(st, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id],
+                             meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.blocks = list(new_blocks[0]) if new_blocks else []
+                st.saved_pages = min(st.saved_pages, 0) if not st.blocks else st.saved_pages
+            elif new_blocks:
+                st.blocks.extend(new_blocks[0])
+            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            self._plan_saves(st, req_id, done, meta)
+        return meta
+
+    def _plan_saves(self, st: _ReqState, req_id: str, computed_after_step: int, meta: SluiceKVMetadata) -> None:
+        if not st.save:
+            return
+        tokens = st.request.all_token_ids
+        full = min(computed_after_step, len(tokens)) // self.block_size
+        full = min(full, len(st.blocks))
+        if full <= st.saved_pages:
+            return
+        if len(st.digests) < full:
+            st.digests = kv_pages.chain(st.seed, tokens, self.block_size, full)
+        meta.saves.append(_Transfer(req_id, [(st.digests[i], st.blocks[i]) for i in range(st.saved_pages, full)]))
+        st.saved_pages = full
+
+    def update_connector_output(self, connector_output) -> None:
+        wm = connector_output.kv_connector_worker_meta
+        if isinstance(wm, SluiceKVWorkerMetadata):
+            for k, v in wm.counts.items():
+                self._pending_counts[k] = self._pending_counts.get(k, 0) + v
+            for req_id, pages in wm.loaded_pages.items():
+                st = self._reqs.get(req_id)
+                if st is not None:
+                    st.loaded_pages = pages
+
+    def request_finished(self, request, block_ids):
+        st = self._reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        report = {"loaded_tokens": (st.loaded_pages or 0) * self.block_size, "counts": self._pending_counts}
+        self._pending_counts = {}
+        return False, {PARAMS_KEY: report}
+
+    # -- model-runner side -----------------------------------------------------
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, SluiceKVMetadata) or not meta.loads:
+            return
+        layers = sorted(((name, layer.kv_cache) for name, layer in forward_context.no_compile_layers.items()
+                         if isinstance(getattr(layer, "kv_cache", None), torch.Tensor)), key=lambda x: _layer_order(x[0]))
+        if not layers:
+            return
+        sample = layers[0][1]
+        shape, dtype = tuple(sample.shape[1:]), sample.dtype
+        dtype_name = str(dtype).removeprefix("torch.")
+        for transfer in meta.loads:
+            values = self.redis.pipeline_run([("get", self._key(d)) for d, _ in transfer.pages])
+            good = 0
+            for j, (digest, block) in enumerate(transfer.pages):
+                try:
+                    if values is None:
+                        raise kv_pages.PageError("unavailable")
+                    payload = kv_pages.decode(digest, values[j], dtype_name, shape, len(layers), sample.element_size())
+                except kv_pages.PageError as exc:
+                    self._count(f"load_miss_{exc.reason}")
+                    # this page and every later one are recomputed
+                    self._load_errors.update(b for _, b in transfer.pages[j:])
+                    break
+                pages = torch.frombuffer(bytearray(payload), dtype=dtype).view(len(layers), *shape)
+                for li, (_, kv) in enumerate(layers):
+                    kv[block].copy_(pages[li])
+                good += 1
+                self._count("loaded_pages")
+                self._count("loaded_bytes", len(payload))
+            self._loaded[transfer.req_id] = good
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, SluiceKVMetadata) or not meta.saves:
+            return
+        blocks = [b for t in meta.saves for _, b in t.pages]
+        # copy now: the blocks may be reused once the request finishes
+        self._save_buf[layer_name] = kv_layer[torch.tensor(blocks, dtype=torch.long)].clone()
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, SluiceKVMetadata) or not meta.saves or not self._save_buf:
+            self._save_buf.clear()
+            return
+        names = sorted(self._save_buf, key=_layer_order)
+        stacked = torch.stack([self._save_buf[n] for n in names], dim=1)  # [pages, layers, ...]
+        self._save_buf.clear()
+        digests = [d for t in meta.saves for d, _ in t.pages]
+        shape = tuple(stacked.shape[2:])
+        dtype_name = str(stacked.dtype).removeprefix("torch.")
+        writer = self._writer_queue()
+        for i, digest in enumerate(digests):
+            if writer.qsize() >= self._max_queue:
+                self._count("save_dropped")
+                continue
+            payload = stacked[i].contiguous().view(torch.uint8).numpy().tobytes()
+            writer.put((digest, kv_pages.encode(digest, dtype_name, shape, len(names), payload)))
+
+    def _writer_queue(self) -> queue.Queue:
+        if self._writer is None:
+            self._writer = queue.Queue()
+            threading.Thread(target=self._write_loop, name="sluice-kv-writer", daemon=True).start()
+        return self._writer
+
+    def _write_loop(self) -> None:
+        q = self._writer
+        while True:
+            batch = [q.get()]
+            while len(batch) < 64:
+                try:
+                    batch.append(q.get_nowait())
+                except queue.Empty:
+                    break
+            done = self.redis.pipeline_run([("set", self._key(d), v, self.ttl_s) for d, v in batch])
+            if done is None:
+                self._count("save_failed", len(batch))
+            else:
+                self._count("stored_pages", len(batch))
+                self._count("stored_bytes", sum(len(v) for _, v in batch))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def build_connector_worker_meta(self):
+        if not self._counts and not self._loaded:
+            return None
+        meta = SluiceKVWorkerMetadata(self._counts, self._loaded)
+        self._counts, self._loaded = {}, {}
+        return meta

@@ -1,0 +1,98 @@
+"""KV page keys and values: pure Python, no torch and no I/O, so every rule is tested with tables.
+
+A page is `block_size` tokens of KV for every layer. Its key is a hash chain:
+the root binds the model fingerprint and the tenant, and each page's digest
+binds the previous digest and the page's token ids, so a key names one exact
+prefix of one model for one tenant, and two tenants never share a key.
+
+A value is `MAGIC | u32 header length | msgpack header | payload`; the header
+names dtype, per-layer shape and layer count, and carries a BLAKE2b digest over
+the page key and the payload. A value that is short, malformed, of another
+layout, or fails its digest (flipped bytes, a value stored under the wrong key)
+is a miss: the page is recomputed, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from array import array
+
+import msgspec
+
+MAGIC = b"SLKV1"
+_LEN = struct.Struct("<I")
+
+
+class PageError(ValueError):
+    """A stored page that must not be used; `reason` is a short metric label."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+class PageHeader(msgspec.Struct, frozen=True, array_like=True):
+    dtype: str
+    shape: tuple[int, ...]  # one layer's page
+    layers: int
+    digest: bytes
+
+
+_enc = msgspec.msgpack.Encoder()
+_dec = msgspec.msgpack.Decoder(PageHeader)
+
+
+def root(fingerprint: str, tenant: str) -> bytes:
+    return hashlib.sha256(b"sluice-kv-root\0" + fingerprint.encode() + b"\0" + tenant.encode()).digest()
+
+
+def chain(seed: bytes, token_ids, block_size: int, pages: int | None = None) -> list[bytes]:
+    """Digests of the first `pages` full pages of `token_ids` (all full pages if None)."""
+    full = len(token_ids) // block_size
+    n = full if pages is None else min(pages, full)
+    out, prev = [], seed
+    for i in range(n):
+        page = array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes()
+        prev = hashlib.sha256(prev + page).digest()
+        out.append(prev)
+    return out
+
+
+def key(prefix: str, digest: bytes) -> str:
+    return f"{prefix}:kv:{digest.hex()}"
+
+
+def _check(digest: bytes, payload: bytes) -> bytes:
+    return hashlib.blake2b(payload, key=digest[:64], digest_size=16).digest()
+
+
+def encode(digest: bytes, dtype: str, shape: tuple[int, ...], layers: int, payload: bytes) -> bytes:
+    header = _enc.encode(PageHeader(dtype, tuple(shape), layers, _check(digest, payload)))
+    return MAGIC + _LEN.pack(len(header)) + header + payload
+
+
+def decode(digest: bytes, value: bytes | None, dtype: str, shape: tuple[int, ...], layers: int,
+           itemsize: int) -> bytes:
+    """The payload of a value stored for `digest`, or `PageError` naming why it is unusable."""
+    if value is None:
+        raise PageError("missing")
+    if len(value) < len(MAGIC) + _LEN.size or not value.startswith(MAGIC):
+        raise PageError("corrupt", "bad magic")
+    (n,) = _LEN.unpack_from(value, len(MAGIC))
+    start = len(MAGIC) + _LEN.size
+    try:
+        header = _dec.decode(value[start:start + n])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise PageError("corrupt", f"header: {exc}") from None
+    if header.dtype != dtype or tuple(header.shape) != tuple(shape) or header.layers != layers:
+        raise PageError("layout", f"{header.dtype}{list(header.shape)}x{header.layers}")
+    payload = value[start + n:]
+    expected = itemsize * layers
+    for d in shape:
+        expected *= d
+    if len(payload) != expected:
+        raise PageError("corrupt", f"payload {len(payload)} bytes, expected {expected}")
+    if _check(digest, payload) != header.digest:
+        raise PageError("checksum")
+    return payload
