@@ -238,6 +238,18 @@ class VllmEngine:
     async def check_health(self) -> None:
         await self._llm.check_health()
 
+    async def reset_prefix_cache(self) -> None:
+        """Forget the local prefix cache (tests and benchmarks: force a lookup in Redis)."""
+        await self._llm.reset_prefix_cache()
+
+    @property
+    def block_size(self) -> int:
+        return self._llm.vllm_config.cache_config.block_size
+
+    @property
+    def fingerprint(self) -> str:
+        return model_fingerprint(self.config.model, resolve_dtype(self.config.dtype, self.device))
+
     def unfinished(self) -> int:
         """Requests the engine still holds (running or waiting)."""
         return self._llm.output_processor.get_num_unfinished_requests()

@@ -1,0 +1,75 @@
+"""KV pages in Redis Cluster with the real engine: a hit loads them, corruption and other tenants miss."""
+
+import asyncio
+
+import pytest
+from redis.cluster import RedisCluster
+
+from schemas import Request
+from worker import kv_pages
+from worker.engine import GenParams
+
+pytestmark = pytest.mark.integration
+
+PROMPT = ("Ledger of card transactions for customer 4411, most recent last, with merchant, country, "
+          "channel and amount in US dollars. ") + " ".join(
+    f"#{i}: merchant m-{i * 37 % 101} in {['US', 'GB', 'BR', 'NG'][i % 4]}, {['pos', 'ecommerce'][i % 2]}, "
+    f"{(i * 53) % 900 + 0.99} USD." for i in range(24)) + " Summary of the risk:"
+
+
+async def run(engine, rid: str, prompt_ids, tenant: str, max_tokens: int = 12):
+    text, last = [], None
+    async for d in engine.generate(rid, prompt_ids, GenParams(max_tokens, tenant=tenant, save_pages=True), 0):
+        text.append(d.text)
+        last = d
+    return "".join(text), last
+
+
+def page_keys(settings, engine, tenant: str, prompt_ids) -> list[str]:
+    seed = kv_pages.root(engine.fingerprint, tenant)
+    return [kv_pages.key(settings.redis_key_prefix, d)
+            for d in kv_pages.chain(seed, prompt_ids, engine.block_size, (len(prompt_ids) - 1) // engine.block_size)]
+
+
+async def wait_stored(redis, keys, timeout=60):
+    for _ in range(int(timeout / 0.2)):
+        if all(redis.exists(k) for k in keys):
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{sum(bool(redis.exists(k)) for k in keys)} of {len(keys)} pages stored")
+
+
+async def test_pages_load_on_a_prefix_match_and_never_across_tenants_or_when_corrupt(settings, engine):
+    redis = RedisCluster.from_url(settings.redis_url)
+    ids = engine.prompt_ids(Request(id="kv", prompt=PROMPT))
+    assert len(ids) > 4 * engine.block_size
+    keys = page_keys(settings, engine, "acme", ids)
+
+    first, _ = await run(engine, "kv-a1", ids, "acme")
+    await wait_stored(redis, keys)
+
+    # same tenant, local prefix cache forgotten: the prefix comes from Redis, the output is unchanged
+    await engine.reset_prefix_cache()
+    again, done = await run(engine, "kv-a2", ids, "acme")
+    assert again == first
+    assert done.kv["loaded_tokens"] == len(keys) * engine.block_size, done.kv
+
+    # another tenant with the identical prompt: its chain has other keys, nothing loads
+    await engine.reset_prefix_cache()
+    other, done = await run(engine, "kv-b1", ids, "globex")
+    assert other == first
+    assert done.kv["loaded_tokens"] == 0, done.kv
+
+    # flip bytes in the middle of the third page: pages 0-1 load, the rest is recomputed, same output
+    value = bytearray(redis.get(keys[2]))
+    value[len(value) // 2] ^= 0xFF
+    redis.set(keys[2], bytes(value))
+    await engine.reset_prefix_cache()
+    healed, done = await run(engine, "kv-a3", ids, "acme")
+    assert healed == first
+    assert done.kv["loaded_tokens"] == 2 * engine.block_size, done.kv
+    # the miss is counted; the count rides on this or the next finished request
+    _, tail = await run(engine, "kv-tail", ids[:8], "acme", max_tokens=1)
+    misses = sum(d.kv["counts"].get("load_miss_checksum", 0) for d in (done, tail))
+    assert misses == 1, (done.kv, tail.kv)
+    redis.close()
