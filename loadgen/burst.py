@@ -160,6 +160,8 @@ async def read_topic(kafka_opts: dict, topic: str, quiet_ms: int = 1500) -> list
     try:
         await consumer._client.force_metadata_update()
         parts = consumer.partitions_for_topic(topic) or set()
+        if not parts:
+            return []
         consumer.assign([TopicPartition(topic, p) for p in parts])
         await consumer.seek_to_beginning()
         out, idle_since = [], time.monotonic()

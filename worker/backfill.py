@@ -167,10 +167,12 @@ class Backfill:
         """Score what is left of the range; returns the checkpoint (`complete` unless stopped)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
+        cp = Checkpoint.load(self.path)
+        if cp is not None and cp.complete:
+            return cp  # nothing left to do: a finished job writes nothing more
         probe = AIOKafkaConsumer(**self.s.kafka_common(), enable_auto_commit=False, fetch_max_wait_ms=50)
         await probe.start()
         try:
-            cp = Checkpoint.load(self.path)
             if cp is None:
                 ranges = await resolve(probe, self.job.source, self.job.start, self.job.stop)
                 await self._ensure_out_topic(len(ranges))
@@ -178,10 +180,9 @@ class Backfill:
                 cp.save(self.path)
                 self.log(f"backfill {self.job.id}: {sum(e - s for s, e in ranges.values())} events in "
                          f"{len(ranges)} partitions of {self.job.source} -> {self.job.out}")
-            elif not cp.complete:
+            else:
                 self.log(f"backfill {self.job.id}: resuming from {self.path}")
-            if not cp.complete:
-                await self._scan_out(probe, cp.scan_from)
+            await self._scan_out(probe, cp.scan_from)
         finally:
             await probe.stop()
         if not cp.complete:
