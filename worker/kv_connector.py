@@ -59,7 +59,7 @@ class _Redis:
             from redis.cluster import RedisCluster
 
             try:
-                self._client = RedisCluster.from_url(self.url, socket_timeout=self.timeout_s,
+                self._client = RedisCluster.from_url(self.url, socket_timeout=self.timeout_s, cluster_error_retry_attempts=1,
                                                      socket_connect_timeout=self.timeout_s)
             except Exception:
                 self.failed()

@@ -173,6 +173,9 @@ class Runner:
         job.suspend.clear()
         engine_id = f"{req.id}@{getattr(job.tp, 'partition', 0)}:{job.offset}#{job.segments}"
         remaining = params.max_tokens - len(job.generated)
+        if remaining <= 0:  # resumed after every token was already emitted
+            return DoneReply(req.id, job.seq, "".join(job.texts), "length",
+                             Usage(len(job.prompt_ids), len(job.generated)), scores=job.scores, resumed=job.resumed)
         want_scores = bool(job.label_ids) and job.scores is None
         scores_only = req.kind == "score" and not req.max_tokens
         params = GenParams(remaining, params.temperature, params.top_p, params.seed, params.stop,

@@ -40,3 +40,49 @@ async def committed_offsets(settings, group_id, topic_names):
         return out
     finally:
         await consumer.stop()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(port: int, path: str) -> tuple[int | None, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError:
+        return None, ""
+
+
+def prefixed_topics_file(catalog, path):
+    """The default topics renamed with this test's prefix, for worker processes."""
+    from importlib import resources
+
+    prefix = catalog.replies.name[: -len("sluice.replies")]
+    path.write_text(resources.files("topics").joinpath("default.toml").read_text()
+                    .replace('name = "sluice.', f'name = "{prefix}sluice.'))
+    return path
+
+
+def metric(exposition: str, name: str, **labels) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    import re
+
+    total = 0.0
+    for line in exposition.splitlines():
+        m = re.match(rf"^{re.escape(name)}(?:{{(.*)}})? (\S+)$", line)
+        if not m:
+            continue
+        have = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(have.get(k) == v for k, v in labels.items()):
+            total += float(m.group(2))
+    return total

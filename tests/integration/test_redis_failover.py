@@ -1,0 +1,102 @@
+"""Redis trouble degrades, never stops: a master killed mid-run, and the whole cluster unreachable.
+
+Both tests restore the embedded cluster before they end, whatever happens.
+"""
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from loadgen.burst import make_requests, run_burst
+from schemas import DoneReply
+from tests.integration.helpers import running_worker
+from worker import devstack, metrics
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def cli(*args) -> str:
+    _, redis_cli = devstack.redis_binaries()
+    return subprocess.run([redis_cli, "-h", devstack.HOST, "-p", str(devstack.REDIS_PORTS[0]), *args],
+                          capture_output=True, text=True, timeout=5).stdout
+
+
+def masters() -> list[int]:
+    ports = []
+    for line in cli("cluster", "nodes").splitlines():
+        parts = line.split()
+        if len(parts) > 2 and "master" in parts[2] and "fail" not in parts[2]:
+            ports.append(int(parts[1].split(":")[1].split("@")[0]))
+    return ports
+
+
+def pid_of(port: int) -> int:
+    svc = next(s for s in devstack.REDIS if s.port == port)
+    return int(svc.pidfile(devstack.DEFAULT_DIR.resolve()).read_text())
+
+
+async def wait_cluster_ok(timeout=60):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        info = cli("cluster", "info")
+        if "cluster_state:ok" in info and len([ln for ln in cli("cluster", "nodes").splitlines()
+                                                if "fail" not in ln and "connected" in ln]) == 6:
+            return
+        await asyncio.sleep(0.5)
+    raise AssertionError("redis cluster did not recover:\n" + cli("cluster", "nodes"))
+
+
+async def test_master_killed_mid_run(settings, catalog, engine, group_id):
+    await wait_cluster_ok()
+    victim = masters()[0]
+    killed = []
+
+    def on_token(_reply):
+        if not killed:
+            os.kill(pid_of(victim), signal.SIGKILL)  # its replica takes over after the node timeout
+            killed.append(time.monotonic())
+
+    try:
+        async with running_worker(settings, catalog, engine, group_id=group_id) as w:
+            out = await run_burst(settings.kafka_bootstrap, catalog,
+                                  make_requests(12, seed=21, prefix="failover", max_tokens=48), timeout_s=300,
+                                  on_token=on_token)
+            assert killed
+            for rid, o in out.items():
+                assert isinstance(o.final, DoneReply) and not o.problems, (rid, o.final, o.problems)
+            # once the replica is promoted, the worker talks to Redis again
+            end = time.monotonic() + 60
+            while not await w.answers.ping() and time.monotonic() < end:
+                await asyncio.sleep(1)
+            assert w.answers.available and metrics.redis_up._value.get() == 1
+    finally:
+        devstack.up(log=lambda *_: None)  # the killed node comes back as a replica
+        await wait_cluster_ok()
+
+
+async def test_whole_cluster_unreachable_then_back(settings, catalog, engine, group_id, stack):
+    await wait_cluster_ok()
+    pids = [pid_of(p) for p in devstack.REDIS_PORTS]
+    try:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)  # every node hangs: connections open, no answers
+        async with running_worker(settings, catalog, engine, group_id=group_id) as w:
+            out = await run_burst(settings.kafka_bootstrap, catalog,
+                                  make_requests(6, seed=22, prefix="dark", max_tokens=24), timeout_s=300)
+            assert all(isinstance(o.final, DoneReply) and not o.problems for o in out.values())
+            assert not w.answers.available and metrics.redis_up._value.get() == 0
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+            pids = []
+            await wait_cluster_ok()
+            out = await run_burst(settings.kafka_bootstrap, catalog,
+                                  make_requests(6, seed=23, prefix="light", max_tokens=24), timeout_s=300)
+            assert all(isinstance(o.final, DoneReply) and not o.problems for o in out.values())
+            assert w.answers.available and metrics.redis_up._value.get() == 1
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
