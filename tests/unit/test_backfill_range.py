@@ -1,0 +1,31 @@
+"""Backfill bounds: offsets and ISO times, and a clear error for anything else."""
+
+from datetime import datetime, timezone
+
+import pytest
+
+from worker.backfill import Job
+from worker.backfill_range import RangeError, parse_bound
+
+
+@pytest.mark.parametrize("text,want", [
+    (None, None), ("", None), ("start", None), ("end", None), ("0", 0), ("1200", 1200),
+    ("2026-11-01T00:00:00Z", datetime(2026, 11, 1, tzinfo=timezone.utc)),
+    ("2026-11-01T02:00:00+02:00", datetime(2026, 11, 1, tzinfo=timezone.utc)),
+    ("2026-11-01", datetime(2026, 11, 1, tzinfo=timezone.utc)),  # no zone: UTC
+])
+def test_bounds(text, want):
+    assert parse_bound(text) == want
+
+
+@pytest.mark.parametrize("text", ["-5", "yesterday", "12abc", "2026-13-01"])
+def test_bad_bounds_say_what_is_accepted(text):
+    with pytest.raises(RangeError, match="offset nor an ISO-8601 time"):
+        parse_bound(text)
+
+
+def test_job_id_is_stable_and_follows_the_arguments():
+    a = Job(source="events", out="scored", template="fraud", start="0")
+    assert a.id == Job(source="events", out="scored", template="fraud", start="0").id
+    assert a.id != Job(source="events", out="scored", template="fraud", start="1").id
+    assert Job(source="events", out="scored", template="fraud", name="june").id == "june"

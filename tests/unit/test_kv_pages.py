@@ -1,0 +1,54 @@
+"""KV page keys and values: every way a stored page can be unusable is a miss, never a wrong page."""
+
+import pytest
+
+from worker import kv_pages
+from worker.kv_pages import PageError
+
+SHAPE, LAYERS, ITEM = (2, 4, 8), 3, 4  # per-layer page shape, layers, float32
+PAYLOAD = bytes(range(256)) * (2 * 4 * 8 * 3 * 4 // 256)
+SEED = kv_pages.root("model-a", "tenant-a")
+D0, D1 = kv_pages.chain(SEED, list(range(32)), 16)
+GOOD = kv_pages.encode(D0, "float32", SHAPE, LAYERS, PAYLOAD)
+
+
+def flip(data: bytes, i: int) -> bytes:
+    b = bytearray(data)
+    b[i] ^= 0x01
+    return bytes(b)
+
+
+def test_a_good_page_round_trips():
+    assert kv_pages.decode(D0, GOOD, "float32", SHAPE, LAYERS, ITEM) == PAYLOAD
+
+
+@pytest.mark.parametrize("name,digest,value,dtype,shape,layers,reason", [
+    ("missing", D0, None, "float32", SHAPE, LAYERS, "missing"),
+    ("empty", D0, b"", "float32", SHAPE, LAYERS, "corrupt"),
+    ("not a page", D0, b"hello world, not a page", "float32", SHAPE, LAYERS, "corrupt"),
+    ("payload bit flipped", D0, flip(GOOD, len(GOOD) - 100), "float32", SHAPE, LAYERS, "checksum"),
+    ("truncated", D0, GOOD[:-4], "float32", SHAPE, LAYERS, "corrupt"),
+    ("stored under another key", D1, GOOD, "float32", SHAPE, LAYERS, "checksum"),
+    ("other dtype", D0, GOOD, "bfloat16", SHAPE, LAYERS, "layout"),
+    ("other shape", D0, GOOD, "float32", (2, 4, 4), LAYERS, "layout"),
+    ("other layer count", D0, GOOD, "float32", SHAPE, 4, "layout"),
+    ("header garbled", D0, GOOD[:9] + b"\xc1" + GOOD[10:], "float32", SHAPE, LAYERS, "corrupt"),
+])
+def test_unusable_pages_are_misses(name, digest, value, dtype, shape, layers, reason):
+    with pytest.raises(PageError) as info:
+        kv_pages.decode(digest, value, dtype, shape, layers, ITEM)
+    assert info.value.reason == reason
+
+
+def test_keys_bind_model_tenant_and_the_whole_prefix():
+    ids = list(range(48))
+    base = kv_pages.chain(SEED, ids, 16)
+    assert len(base) == 3 and len(set(base)) == 3
+    assert kv_pages.chain(kv_pages.root("model-a", "tenant-b"), ids, 16)[0] != base[0]  # tenant
+    assert kv_pages.chain(kv_pages.root("model-b", "tenant-a"), ids, 16)[0] != base[0]  # model
+    changed = ids[:]
+    changed[3] = 999  # a token in the first page changes every later key too
+    assert all(a != b for a, b in zip(kv_pages.chain(SEED, changed, 16), base))
+    assert kv_pages.chain(SEED, ids[:47], 16) == base[:2]  # only full pages
+    assert kv_pages.chain(SEED, ids, 16, pages=1) == base[:1]
+    assert kv_pages.key("p", base[0]).startswith("p:kv:")
