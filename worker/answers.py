@@ -60,6 +60,13 @@ class Progress:
 REDIS_DOWN = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 
 
+async def _close_quietly(client) -> None:
+    try:
+        await client.aclose()
+    except Exception:  # noqa: BLE001 - it is being thrown away
+        pass
+
+
 class AnswerStore:
     def __init__(self, url: str, prefix: str, ttl_s: int, timeout_ms: int, backoff_s: float = 2.0,
                  progress_ttl_s: int = 86400):
@@ -110,7 +117,7 @@ class AnswerStore:
             self._client = client
             self._mark(True)
             return True
-        except REDIS_DOWN as exc:
+        except Exception as exc:  # noqa: BLE001 - see _call
             self._mark(False, exc)
             return False
 
@@ -134,8 +141,12 @@ class AnswerStore:
             result = await asyncio.wait_for(fn(self._client), self.timeout * 4)
             self._mark(True)
             return result
-        except REDIS_DOWN as exc:
+        except Exception as exc:  # noqa: BLE001 - any client failure (redis-py raises more than RedisError mid-failover) degrades
             self._mark(False, exc)
+            # a client that failed mid-failover can stay broken: start from a fresh one after the back-off
+            client, self._client = self._client, None
+            if client is not None:
+                asyncio.create_task(_close_quietly(client))
             return None
 
     async def get(self, request_id: str) -> bytes | None:
