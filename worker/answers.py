@@ -76,7 +76,7 @@ class AnswerStore:
         self._client: RedisCluster | None = None
         self._down_until = 0.0
         self.available = False
-        self._pending: list[tuple[str, bytes]] = []
+        self._pending: list[tuple[str, bytes, bool]] = []
         self._flush_wanted = asyncio.Event()
         self._writer: asyncio.Task | None = None
 
@@ -91,9 +91,9 @@ class AnswerStore:
         await self._connect()
         self._writer = asyncio.create_task(self._write_loop(), name="sluice-answers-writer")
 
-    def put_later(self, request_id: str, final_reply: bytes, limit: int = 10_000) -> None:
+    def put_later(self, request_id: str, final_reply: bytes, had_progress: bool = False, limit: int = 10_000) -> None:
         """Queue an answer for the writer; bounded, oldest dropped first while Redis is away."""
-        self._pending.append((request_id, final_reply))
+        self._pending.append((request_id, final_reply, had_progress))
         if len(self._pending) > limit:
             del self._pending[: len(self._pending) - limit]
         self._flush_wanted.set()
@@ -166,22 +166,30 @@ class AnswerStore:
         found = await self._call(run)
         return list(found) if found is not None else [None] * len(request_ids)
 
-    async def lookup_many(self, request_ids: list[str]) -> list[tuple[bytes | None, Progress | None]]:
-        """(stored answer, progress) per id, one pipelined round; (None, None)s when degraded."""
+    async def lookup_many(self, request_ids: list[str], streamed: list[bool]) -> list[tuple[bytes | None, Progress | None]]:
+        """(stored answer, progress) per id, one pipelined round; (None, None)s when degraded.
+
+        Only streamed requests write progress, so only theirs is looked up.
+        """
         if not request_ids:
             return []
 
         async def run(c):
             pipe = c.pipeline()
-            for rid in request_ids:
+            for rid, stream in zip(request_ids, streamed):
                 pipe.get(self.key(rid))
-                pipe.hgetall(self.progress_key(rid))
+                if stream:
+                    pipe.hgetall(self.progress_key(rid))
             return await pipe.execute()
 
         found = await self._call(run)
         if found is None:
             return [(None, None)] * len(request_ids)
-        return [(found[2 * i], Progress.from_hash(found[2 * i + 1])) for i in range(len(request_ids))]
+        out, i = [], 0
+        for stream in streamed:
+            out.append((found[i], Progress.from_hash(found[i + 1]) if stream else None))
+            i += 2 if stream else 1
+        return out
 
     async def append_chunk(self, request_id: str, seq: int, token_ids: list[int], text: str,
                            scores: dict[str, float] | None = None) -> None:
@@ -201,12 +209,13 @@ class AnswerStore:
     async def put(self, request_id: str, final_reply: bytes) -> None:
         await self._call(lambda c: c.set(self.key(request_id), final_reply, ex=self.ttl_s))
 
-    async def put_many(self, items: list[tuple[str, bytes]]) -> None:
+    async def put_many(self, items: list[tuple[str, bytes, bool]]) -> None:
         async def run(c):
             pipe = c.pipeline()
-            for rid, payload in items:
+            for rid, payload, had_progress in items:
                 pipe.set(self.key(rid), payload, ex=self.ttl_s)
-                pipe.delete(self.progress_key(rid))  # answered: nothing left to resume
+                if had_progress:
+                    pipe.delete(self.progress_key(rid))  # answered: nothing left to resume
             return await pipe.execute()
 
         if items:

@@ -143,7 +143,7 @@ class Runner:
         outcome = final.code.value if isinstance(final, ErrorReply) else final.finish_reason
         metrics.requests_completed.labels(cls, outcome).inc()
         metrics.end_to_end.labels(cls).observe(max(0.0, time.time() - job.timestamp_ms / 1000))
-        self.answers.put_later(req.id, payload)
+        self.answers.put_later(req.id, payload, had_progress=job.seq > 0)
         log.info("request_answered", outcome=outcome, segments=job.segments)
 
     async def _resume(self, job: Job, log) -> None:

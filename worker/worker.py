@@ -168,7 +168,8 @@ class Worker:
                     if (job := self._take(topic, tp, record)) is not None]
             if not jobs:
                 continue
-            stored = await self.answers.lookup_many([job.request.id for job in jobs])
+            stored = await self.answers.lookup_many([job.request.id for job in jobs],
+                                                    [job.request.stream for job in jobs])
             owned = set(self.tracker.partitions())  # a rebalance may have run during the lookup
             for job, (answer, progress) in zip(jobs, stored):
                 if job.tp not in owned:

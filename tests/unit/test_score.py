@@ -29,7 +29,7 @@ class Collect:
 
 
 class NoAnswers:
-    def put_later(self, rid, payload):
+    def put_later(self, rid, payload, had_progress=False):
         pass
 
     async def append_chunk(self, *args):
