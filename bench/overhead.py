@@ -105,7 +105,7 @@ async def main(args) -> None:
     rate, _ = await sluice_worker(s, cat, n, profile=False)
     # Profiling slows the run several-fold, so it gets a run of its own over the same records.
     stats = (await sluice_worker(s, cat, n, profile=True))[1] if args.profile else None
-    print(f"\n{n} non-streaming requests, fake engine; {common.machine()}; {common.today()}; rev {common.git_rev()}")
+    print(f"\n{n} non-streaming requests, fake engine, {args.loop}; {common.machine()}; {common.today()}; rev {common.git_rev()}")
     print(f"bare aiokafka pipe   {pipe:8.0f} req/s")
     print(f"sluice worker        {rate:8.0f} req/s")
     print(f"sluice / bare pipe   {rate / pipe:8.2f}")
@@ -118,4 +118,12 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=20000)
     p.add_argument("--profile", action="store_true")
-    asyncio.run(main(p.parse_args()))
+    p.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop",
+                   help="event loop; `sluice worker` runs on uvloop when it is installed")
+    a = p.parse_args()
+    if a.loop == "uvloop":
+        from worker.service import run_loop
+
+        run_loop(main(a))
+    else:
+        asyncio.run(main(a))

@@ -94,12 +94,12 @@ def cmd_schemas(args) -> int:
 
 def cmd_worker(args) -> int:
     from worker.logs import configure
-    from worker.service import run_worker
+    from worker.service import run_loop, run_worker
 
     settings = _settings(args)
     catalog = _catalog(settings)
     configure(settings.log_level, settings.log_format)
-    return asyncio.run(run_worker(settings, catalog))
+    return run_loop(run_worker(settings, catalog))
 
 
 def cmd_loadgen(args) -> int:

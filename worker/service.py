@@ -16,6 +16,16 @@ from worker.worker import Worker
 log = structlog.get_logger("sluice.service")
 
 
+def run_loop(main):
+    """Run `main` on uvloop when it is installed (it ships with vLLM's server extras): the worker's
+    Kafka and Redis clients spend their time in the event loop, and uvloop's is faster."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
 def engine_config(settings: Settings) -> EngineConfig:
     return EngineConfig(
         model=settings.model,
