@@ -15,7 +15,7 @@ from aiokafka import AIOKafkaConsumer
 from loadgen.burst import produce, read_topic
 from loadgen.events import transactions
 from schemas.events import BackfillResult
-from tests.integration.helpers import running_worker
+from tests.integration.helpers import prefixed_topics_file, running_worker
 from worker.backfill import JOB_HEADER, SOURCE_HEADER
 from worker.backfill_range import resolve
 
@@ -75,12 +75,8 @@ def backfill_cmd(source, out, state_dir):
 @pytest.mark.slow
 async def test_backfill_killed_midway_resumes_with_one_result_per_event(settings, catalog, engine, group_id,
                                                                         tmp_path):
-    from importlib import resources
-
     prefix = catalog.replies.name[: -len("sluice.replies")]
-    topics_file = tmp_path / "topics.toml"
-    topics_file.write_text(resources.files("topics").joinpath("default.toml").read_text()
-                           .replace('name = "sluice.', f'name = "{prefix}sluice.'))
+    topics_file = prefixed_topics_file(catalog, tmp_path / "topics.toml")
     source, out = f"{prefix}events", f"{prefix}scored"
     await create_topic(settings, source, 3)
     events = transactions(150, seed=3)

@@ -3,46 +3,23 @@
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 
 import pytest
 
 from loadgen.burst import ReplyReader, produce
 from schemas import DoneReply, TokenReply
-from tests.integration.helpers import committed_offsets
+from tests.integration.helpers import committed_offsets, free_port, http_get, prefixed_topics_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(port, path):
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-    except OSError:
-        return None, ""
-
-
 async def test_sigterm_drains_in_flight_requests(settings, catalog, model_dir, tmp_path):
-    from importlib import resources
-
-    prefix = catalog.replies.name[: -len("sluice.replies")]
-    text = resources.files("topics").joinpath("default.toml").read_text()
-    topics_file = tmp_path / "topics.toml"
-    topics_file.write_text(text.replace('name = "sluice.', f'name = "{prefix}sluice.'))
-    port, group = _free_port(), f"g-{uuid.uuid4().hex[:6]}"
+    topics_file = prefixed_topics_file(catalog, tmp_path / "topics.toml")
+    port, group = free_port(), f"g-{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "SLUICE_TOPICS_FILE": str(topics_file), "SLUICE_METRICS_PORT": str(port),
            "SLUICE_GROUP_ID": group, "SLUICE_MODEL": str(model_dir), "SLUICE_KAFKA_IDEMPOTENCE": "false",
            "SLUICE_DRAIN_GRACE_S": "120", "SLUICE_REDIS_KEY_PREFIX": f"p{uuid.uuid4().hex[:6]}"}
@@ -50,12 +27,12 @@ async def test_sigterm_drains_in_flight_requests(settings, catalog, model_dir, t
     proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], env=env, stdout=log, stderr=log)
     try:
         end = time.monotonic() + 400
-        while _get(port, "/readyz")[0] != 200:
+        while http_get(port, "/readyz")[0] != 200:
             assert proc.poll() is None, (tmp_path / "worker.log").read_text()[-2000:]
             assert time.monotonic() < end, "worker never became ready"
             await asyncio.sleep(0.5)
-        assert _get(port, "/healthz")[0] == 200
-        ready = _get(port, "/readyz")[1]
+        assert http_get(port, "/healthz")[0] == 200
+        ready = http_get(port, "/readyz")[1]
         assert '"redis": "up"' in ready, ready
 
         reader = ReplyReader(settings.kafka_bootstrap, catalog.replies.name)
@@ -72,7 +49,7 @@ async def test_sigterm_drains_in_flight_requests(settings, catalog, model_dir, t
             async for r in reader.records():
                 if isinstance(r, TokenReply) and not saw_token:
                     saw_token = True
-                    status, exposition = _get(port, "/metrics")
+                    status, exposition = http_get(port, "/metrics")
                     proc.send_signal(signal.SIGTERM)  # mid-generation
                 elif isinstance(r, DoneReply):
                     finals[r.id] = r
