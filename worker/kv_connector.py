@@ -152,6 +152,7 @@ class SluiceKVConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._counts: dict[str, int] = {}
         self._loaded: dict[str, int] = {}
+        self._lock = threading.Lock()
         self._save_buf: dict[str, list[torch.Tensor]] = {}  # layer -> page tensors, this step
         self._writer: queue.Queue | None = None
         self._max_queue = int(extra.get("max_queued_pages", 4096))
@@ -159,7 +160,8 @@ class SluiceKVConnector(KVConnectorBase_V1):
     # -- helpers ---------------------------------------------------------------
 
     def _count(self, name: str, n: int = 1) -> None:
-        self._counts[name] = self._counts.get(name, 0) + n
+        with self._lock:  # the writer thread counts too
+            self._counts[name] = self._counts.get(name, 0) + n
 
     def _key(self, digest: bytes) -> str:
         return kv_pages.key(self.prefix, digest)
@@ -221,8 +223,8 @@ class SluiceKVConnector(KVConnectorBase_V1):
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
+                # back from preemption: these are all of its blocks now; what was saved stays saved
                 st.blocks = list(new_blocks[0]) if new_blocks else []
-                st.saved_pages = min(st.saved_pages, 0) if not st.blocks else st.saved_pages
             elif new_blocks:
                 st.blocks.extend(new_blocks[0])
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
@@ -351,8 +353,9 @@ class SluiceKVConnector(KVConnectorBase_V1):
         return errors
 
     def build_connector_worker_meta(self):
-        if not self._counts and not self._loaded:
-            return None
-        meta = SluiceKVWorkerMetadata(self._counts, self._loaded)
-        self._counts, self._loaded = {}, {}
+        with self._lock:
+            if not self._counts and not self._loaded:
+                return None
+            meta = SluiceKVWorkerMetadata(self._counts, self._loaded)
+            self._counts, self._loaded = {}, {}
         return meta
