@@ -92,16 +92,18 @@ async def test_backfill_killed_midway_resumes_with_one_result_per_event(settings
     async with running_worker(settings, catalog, engine, group_id=group_id):
         log = open(tmp_path / "backfill-1.log", "wb")
         first = subprocess.Popen(backfill_cmd(source, out, state), env=env, stdout=log, stderr=log)
-        # wait until part of the output is written, then kill without warning
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            n = len(await read_all(settings, out)) if state.exists() else 0
-            if n >= 40:
-                break
-            assert first.poll() is None, (tmp_path / "backfill-1.log").read_text()[-3000:]
-            await asyncio.sleep(0.5)
-        first.send_signal(signal.SIGKILL)
-        first.wait()
+        try:
+            # wait until part of the output is written, then kill without warning
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                n = len(await read_all(settings, out)) if state.exists() else 0
+                if n >= 40:
+                    break
+                assert first.poll() is None, (tmp_path / "backfill-1.log").read_text()[-3000:]
+                await asyncio.sleep(0.5)
+        finally:
+            first.send_signal(signal.SIGKILL)  # also when the wait above fails: never leave it running
+            first.wait()
         partial = len(await read_all(settings, out))
         assert 40 <= partial < len(records), partial
 
