@@ -18,7 +18,6 @@ import asyncio
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import uuid
@@ -74,12 +73,7 @@ def offline_child(args) -> None:
 
 
 def run_offline(args) -> dict:
-    cmd = [sys.executable, __file__, "--child-offline", *sys.argv[1:], "--model", args.model]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"offline run failed:\n{out.stderr[-4000:]}")
+    return common.run_offline_child(__file__, args.model)
 
 
 async def run_sluice(args, s) -> dict:

@@ -122,6 +122,18 @@ async def worker_process(s, tag: str, log_path: Path, **env):
         topics_file.unlink(missing_ok=True)
 
 
+def run_offline_child(script: str, model: str) -> dict:
+    """Re-run `script` with --child-offline in its own process; returns the JSON of its RESULT line."""
+    import json
+
+    cmd = [sys.executable, script, "--child-offline", *sys.argv[1:], "--model", model]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(script).resolve().parent.parent)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"offline run failed:\n{out.stderr[-4000:]}")
+
+
 def git_rev() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

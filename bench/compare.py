@@ -89,12 +89,7 @@ def offline_child(args) -> None:
 
 
 def run_offline(args) -> dict:
-    cmd = [sys.executable, __file__, "--child-offline", *sys.argv[1:], "--model", args.model]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"offline run failed:\n{out.stderr[-4000:]}")
+    return common.run_offline_child(__file__, args.model)
 
 
 # -- (b) OpenAI server -------------------------------------------------------
