@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import msgspec
 
 import structlog
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
 from worker import metrics
+from worker.redis_seeds import SeedNodes
 
 log = structlog.get_logger("sluice.answers")
 _chunk_enc = msgspec.msgpack.Encoder()
@@ -73,6 +74,7 @@ class AnswerStore:
         self.url, self.prefix, self.ttl_s, self.progress_ttl_s = url, prefix, ttl_s, progress_ttl_s
         self.timeout = timeout_ms / 1000
         self.backoff_s = backoff_s
+        self.seeds = SeedNodes(url)
         self._client: RedisCluster | None = None
         self._down_until = 0.0
         self.available = False
@@ -110,15 +112,20 @@ class AnswerStore:
         await self.put_many(batch)
 
     async def _connect(self) -> bool:
+        client = None
         try:
-            client = RedisCluster.from_url(self.url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
-                                           cluster_error_retry_attempts=1)
+            client = RedisCluster.from_url(
+                self.seeds.url, startup_nodes=[ClusterNode(h, p) for h, p in self.seeds.addresses()],
+                socket_timeout=self.timeout, socket_connect_timeout=self.timeout, cluster_error_retry_attempts=1)
             await asyncio.wait_for(client.initialize(), self.timeout * 4)
+            self.seeds.remember(client.get_nodes())
             self._client = client
             self._mark(True)
             return True
         except Exception as exc:  # noqa: BLE001 - see _call
             self._mark(False, exc)
+            if client is not None:
+                asyncio.create_task(_close_quietly(client))
             return False
 
     def _mark(self, ok: bool, exc: Exception | None = None) -> None:
@@ -146,6 +153,7 @@ class AnswerStore:
             # a client that failed mid-failover can stay broken: start from a fresh one after the back-off
             client, self._client = self._client, None
             if client is not None:
+                self.seeds.remember(client.get_nodes())
                 asyncio.create_task(_close_quietly(client))
             return None
 

@@ -123,10 +123,27 @@ def _start(svc: Service, argv: list[str], state: Path, log) -> None:
     log(f"{svc.name}: started on {HOST}:{svc.port}")
 
 
+def _cluster(cli: str, what: str) -> str:
+    return subprocess.run([cli, "-h", HOST, "-p", str(REDIS_PORTS[0]), "cluster", what],
+                          capture_output=True, text=True, timeout=5).stdout
+
+
 def _cluster_ok(cli: str) -> bool:
-    out = subprocess.run([cli, "-h", HOST, "-p", str(REDIS_PORTS[0]), "cluster", "info"],
-                         capture_output=True, text=True, timeout=5).stdout
-    return "cluster_state:ok" in out
+    return "cluster_state:ok" in _cluster(cli, "info")
+
+
+def _cluster_formed(cli: str) -> bool:
+    # A node that knows others belongs to a cluster already, perhaps still converging after a restart.
+    return len(_cluster(cli, "nodes").splitlines()) > 1
+
+
+def _wait_cluster_ok(cli: str, timeout_s: float = 30) -> None:
+    end = time.monotonic() + timeout_s
+    while not _cluster_ok(cli):
+        if time.monotonic() > end:
+            raise DevStackError(f"redis cluster did not reach cluster_state:ok within {timeout_s:.0f}s:\n"
+                                + _cluster(cli, "nodes"))
+        time.sleep(0.2)
 
 
 def up(state: Path = DEFAULT_DIR, log=print) -> None:
@@ -147,16 +164,16 @@ def up(state: Path = DEFAULT_DIR, log=print) -> None:
     if _cluster_ok(cli):
         log("redis cluster: ok")
         return
+    if _cluster_formed(cli):
+        _wait_cluster_ok(cli)
+        log("redis cluster: ok")
+        return
     nodes = [f"{HOST}:{p}" for p in REDIS_PORTS]
     res = subprocess.run([cli, "--cluster", "create", *nodes, "--cluster-replicas", "1", "--cluster-yes"],
                          capture_output=True, text=True, timeout=60)
     if res.returncode != 0:
         raise DevStackError(f"redis cluster create failed: {res.stdout[-300:]}{res.stderr[-300:]}")
-    end = time.monotonic() + 20
-    while not _cluster_ok(cli):
-        if time.monotonic() > end:
-            raise DevStackError("redis cluster did not reach cluster_state:ok within 20s")
-        time.sleep(0.2)
+    _wait_cluster_ok(cli)
     log(f"redis cluster: created on {HOST}:{REDIS_PORTS[0]}-{REDIS_PORTS[-1]}")
 
 

@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from worker import kv_pages
+from worker.redis_seeds import SeedNodes
 
 PARAMS_KEY = "sluice"  # inside kv_transfer_params
 
@@ -49,6 +50,7 @@ class _Redis:
 
     def __init__(self, url: str, timeout_s: float, retry_s: float):
         self.url, self.timeout_s, self.retry_s = url, timeout_s, retry_s
+        self.seeds = SeedNodes(url)
         self._client = None
         self._down_until = 0.0
 
@@ -56,11 +58,13 @@ class _Redis:
         if time.monotonic() < self._down_until:
             return None
         if self._client is None:
-            from redis.cluster import RedisCluster
+            from redis.cluster import ClusterNode, RedisCluster
 
             try:
-                self._client = RedisCluster.from_url(self.url, socket_timeout=self.timeout_s, cluster_error_retry_attempts=1,
-                                                     socket_connect_timeout=self.timeout_s)
+                self._client = RedisCluster.from_url(
+                    self.seeds.url, startup_nodes=[ClusterNode(h, p) for h, p in self.seeds.addresses()],
+                    socket_timeout=self.timeout_s, cluster_error_retry_attempts=1, socket_connect_timeout=self.timeout_s)
+                self.seeds.remember(self._client.get_nodes())
             except Exception:
                 self.failed()
                 return None
@@ -71,6 +75,7 @@ class _Redis:
         client, self._client = self._client, None
         if client is not None:
             try:
+                self.seeds.remember(client.get_nodes())
                 client.close()
             except Exception:
                 pass

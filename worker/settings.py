@@ -16,6 +16,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from schemas import Limits
+from worker.redis_seeds import split_url
 
 Port = Annotated[int, Meta(ge=0, le=65535)]
 Positive = Annotated[int, Meta(ge=1)]
@@ -43,7 +44,7 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # Upper bound on how long a fetch waits for data. Apache Kafka answers as soon as
     # data arrives; the embedded broker waits the full time, so keep it short.
     kafka_fetch_max_wait_ms: Positive = 50
-    # Redis Cluster (a seed node)
+    # Redis Cluster seed nodes: redis://host:port[,host:port...]
     redis_url: Annotated[str, Meta(pattern=r"^rediss?://")] = "redis://127.0.0.1:17001"
     redis_key_prefix: str = "sluice"
     redis_ttl_s: Positive = 86400
@@ -154,6 +155,11 @@ def load(config_path: str | os.PathLike | None = None, environ=None, **overrides
     data.update(env)
     data.update(overrides)
     try:
-        return msgspec.convert(data, Settings, strict=False)
+        settings = msgspec.convert(data, Settings, strict=False)
     except msgspec.ValidationError as exc:
         raise SettingsError(_name_setting(str(exc), set(env))) from None
+    try:
+        split_url(settings.redis_url)
+    except ValueError as exc:
+        raise SettingsError(f"redis_url (SLUICE_REDIS_URL): {exc}") from None
+    return settings

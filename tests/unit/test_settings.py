@@ -14,6 +14,7 @@ def test_env_overrides_file(tmp_path):
     ({"SLUICE_METRICS_PORT": "abc"}, "SLUICE_METRICS_PORT"),
     ({"SLUICE_METRICS_PORT": "70000"}, "SLUICE_METRICS_PORT"),
     ({"SLUICE_REDIS_URL": "http://x"}, "SLUICE_REDIS_URL"),
+    ({"SLUICE_REDIS_URL": "redis://a:1,b:port"}, "SLUICE_REDIS_URL"),
     ({"SLUICE_KAFKA_BOOTSTRAP": ""}, "SLUICE_KAFKA_BOOTSTRAP"),
     ({"SLUICE_GROUP_ID": ""}, "SLUICE_GROUP_ID"),
     ({"SLUICE_DEVICE": "tpu"}, "SLUICE_DEVICE"),
