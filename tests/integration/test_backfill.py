@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 
 import msgspec
 import pytest
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from loadgen.burst import produce, read_topic
 from loadgen.events import transactions
@@ -67,9 +67,33 @@ async def test_time_bounds_resolve_by_record_timestamp(settings, catalog):
         await consumer.stop()
 
 
-def backfill_cmd(source, out, state_dir):
+def backfill_cmd(source, out, state_dir, max_in_flight=16):
     return [sys.executable, "-m", "worker.cli", "backfill", "--source", source, "--out", out, "--template", "fraud",
-            "--state-dir", str(state_dir), "--max-in-flight", "16"]
+            "--state-dir", str(state_dir), "--max-in-flight", str(max_in_flight)]
+
+
+async def wait_for_results(settings, topic: str, want: int, proc, log_path, timeout_s: float = 300) -> None:
+    """Follow `topic` live until `want` records are there; the backfill must still be running."""
+    consumer = AIOKafkaConsumer(**settings.kafka_common(), enable_auto_commit=False, fetch_max_wait_ms=50)
+    await consumer.start()
+    try:
+        deadline, seen, assigned = time.monotonic() + timeout_s, 0, False
+        while seen < want:
+            assert time.monotonic() < deadline, f"only {seen} results after {timeout_s}s"
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            if not assigned:
+                await consumer._client.force_metadata_update()
+                parts = consumer.partitions_for_topic(topic)
+                if not parts:
+                    await asyncio.sleep(0.2)
+                    continue
+                consumer.assign([TopicPartition(topic, p) for p in parts])
+                await consumer.seek_to_beginning()
+                assigned = True
+            batch = await consumer.getmany(timeout_ms=100)
+            seen += sum(len(recs) for recs in batch.values())
+    finally:
+        await consumer.stop()
 
 
 @pytest.mark.slow
@@ -90,17 +114,13 @@ async def test_backfill_killed_midway_resumes_with_one_result_per_event(settings
     state = tmp_path / "state"
 
     async with running_worker(settings, catalog, engine, group_id=group_id):
-        log = open(tmp_path / "backfill-1.log", "wb")
-        first = subprocess.Popen(backfill_cmd(source, out, state), env=env, stdout=log, stderr=log)
+        log_path = tmp_path / "backfill-1.log"
+        log = open(log_path, "wb")
+        # few in flight, so that the kill lands midway on a fast machine too
+        first = subprocess.Popen(backfill_cmd(source, out, state, max_in_flight=4), env=env, stdout=log, stderr=log)
         try:
             # wait until part of the output is written, then kill without warning
-            deadline = time.monotonic() + 300
-            while time.monotonic() < deadline:
-                n = len(await read_all(settings, out)) if state.exists() else 0
-                if n >= 40:
-                    break
-                assert first.poll() is None, (tmp_path / "backfill-1.log").read_text()[-3000:]
-                await asyncio.sleep(0.5)
+            await wait_for_results(settings, out, 40, first, log_path)
         finally:
             first.send_signal(signal.SIGKILL)  # also when the wait above fails: never leave it running
             first.wait()
