@@ -73,8 +73,8 @@ def encode(digest: bytes, dtype: str, shape: tuple[int, ...], layers: int, paylo
 
 
 def decode(digest: bytes, value: bytes | None, dtype: str, shape: tuple[int, ...], layers: int,
-           itemsize: int) -> bytes:
-    """The payload of a value stored for `digest`, or `PageError` naming why it is unusable."""
+           itemsize: int) -> memoryview:
+    """The payload of a value stored for `digest` (a view, not a copy), or `PageError` naming why it is unusable."""
     if value is None:
         raise PageError("missing")
     if len(value) < len(MAGIC) + _LEN.size or not value.startswith(MAGIC):
@@ -87,7 +87,7 @@ def decode(digest: bytes, value: bytes | None, dtype: str, shape: tuple[int, ...
         raise PageError("corrupt", f"header: {exc}") from None
     if header.dtype != dtype or tuple(header.shape) != tuple(shape) or header.layers != layers:
         raise PageError("layout", f"{header.dtype}{list(header.shape)}x{header.layers}")
-    payload = value[start + n:]
+    payload = memoryview(value)[start + n:]
     expected = itemsize * layers
     for d in shape:
         expected *= d
