@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from schemas import Request
+from worker.engine_guard import EngineGuard
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +169,10 @@ class VllmEngine:
             disable_log_stats=True,
             kv_transfer_config=kv_transfer,
         )
+        self._guard = EngineGuard()
+        self._guard.before()
         self._llm = AsyncLLM.from_engine_args(args)
+        self._guard.watch()  # a SIGKILLed worker must not leave the engine processes running
         self._tokenizer = self._llm.get_tokenizer()
         self.max_model_len = self._llm.model_config.max_model_len
 
@@ -256,3 +260,4 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         self._llm.shutdown()
+        self._guard.close()

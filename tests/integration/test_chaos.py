@@ -20,6 +20,7 @@ import pytest
 from loadgen.burst import ReplyReader, produce
 from schemas import DoneReply, Request, TokenReply
 from tests.integration.helpers import free_port, http_get, metric, prefixed_topics_file
+from worker import engine_guard
 from worker.engine import GenParams
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -83,10 +84,18 @@ async def test_sigkill_mid_stream_loses_and_changes_nothing(settings, catalog, e
                 elif isinstance(r, DoneReply):
                     finals[r.id].append(r)
             if not killed and all(len(t) >= 4 for t in tokens.values()):
+                engine_procs = {p: engine_guard.start_time(p)
+                                for p in engine_guard.descendants(engine_guard.parents(), victim.pid)}
                 victim.send_signal(signal.SIGKILL)  # no drain, no commit, no goodbye
                 victim.wait()
                 killed = True
         assert killed, "the streams never got going"
+        # the victim's engine processes die with it instead of polling on as orphans
+        assert engine_procs, "the victim had no engine processes"
+        end = time.monotonic() + 15
+        while any(engine_guard.running(p, t) for p, t in engine_procs.items()) and time.monotonic() < end:
+            await asyncio.sleep(0.2)
+        assert not any(engine_guard.running(p, t) for p, t in engine_procs.items()), engine_procs
         metrics_text = http_get(sport, "/metrics")[1]
     finally:
         await reader.stop()

@@ -1,0 +1,75 @@
+"""The engine guard's process bookkeeping, on a fake /proc."""
+
+import subprocess
+import sys
+import time
+
+from worker import engine_guard as g
+
+
+def fake_proc(tmp_path, procs):
+    """procs: pid -> (ppid, state, start time); the command names have spaces and parentheses."""
+    for pid, (ppid, state, start) in procs.items():
+        rest = [state, str(ppid)] + ["0"] * 17 + [str(start)] + ["0"] * 5
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (VLLM::Engine (x)) " + " ".join(rest) + "\n")
+    (tmp_path / "self").mkdir()
+    return tmp_path
+
+
+def test_descendants_walk_the_whole_tree_and_nothing_else():
+    parent_of = {10: 1, 11: 10, 12: 11, 13: 10, 20: 1, 21: 20}
+    assert g.descendants(parent_of, 10) == [11, 13, 12]
+    assert g.descendants(parent_of, 12) == []
+    assert g.descendants(parent_of, 99) == []
+
+
+def test_parents_and_start_times_read_from_proc(tmp_path):
+    proc = fake_proc(tmp_path, {10: (1, "S", 500), 11: (10, "R", 600)})
+    assert g.parents(proc) == {10: 1, 11: 10}
+    assert g.start_time(11, proc) == 600 and g.start_time(12, proc) is None
+
+
+def test_only_the_same_live_processes_are_killed(tmp_path):
+    proc = fake_proc(tmp_path, {10: (1, "S", 500), 11: (1, "S", 999), 12: (1, "Z", 700)})
+    killed = []
+    lines = ["10 500", "11 600", "12 700", "13 800"]  # alive / pid reused / zombie / gone
+    assert g.kill_survivors(lines, proc, kill=lambda pid, sig: killed.append(pid)) == [10]
+    assert killed == [10]
+
+
+def test_the_guard_kills_what_it_watches_when_its_pipe_closes():
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        guard = subprocess.Popen([sys.executable, "-m", "worker.engine_guard"], stdin=subprocess.PIPE)
+        guard.stdin.write(f"{victim.pid} {g.start_time(victim.pid)}\n".encode())
+        guard.stdin.close()  # as when the worker dies
+        guard.wait(timeout=30)
+        assert victim.wait(timeout=10) == -9
+    finally:
+        victim.kill()
+
+
+OWNER = """
+import subprocess, sys, time
+from worker.engine_guard import EngineGuard
+guard = EngineGuard()
+guard.before()
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(guard.watch(), flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_sigkilled_owner_takes_its_engine_processes_with_it():
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+    watched = eval(owner.stdout.readline())
+    assert len(watched) == 1
+    started = g.start_time(watched[0])
+    assert g.running(watched[0], started)
+    owner.kill()  # SIGKILL: no cleanup of its own
+    owner.wait()
+    end = time.monotonic() + 10
+    while g.running(watched[0], started) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not g.running(watched[0], started)
