@@ -5,8 +5,8 @@ with SIGKILL (OOM killer, `kill -9`, a chaos test) they are re-parented and keep
 their polling loops eat CPU that the next worker on the machine needs. So after the engine
 starts, a small guard process (`python -m worker.engine_guard`, in its own session so a
 terminal's Ctrl-C leaves it alone) is told the engine's pids and start times over a pipe. It
-holds nothing else: when the pipe closes, because the worker exited in whatever way, it kills
-those processes that are still the same processes (pid and start time) and exits.
+holds nothing else: when the pipe closes without a clean stand-down, because the worker died, it
+kills those processes that are still the same processes (pid and start time) and exits.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 PROC = Path("/proc")
+STAND_DOWN = b"stand-down"  # the last line of a clean shutdown
 
 
 def stat_fields(pid: int, proc: Path = PROC) -> list[str] | None:
@@ -89,8 +90,12 @@ class EngineGuard:
         return new
 
     def close(self) -> None:
-        """After a clean engine shutdown: the guard finds nothing left to kill and exits."""
+        """After a clean engine shutdown: the guard stands down without killing anything.
+
+        (What is left, such as multiprocessing's resource tracker, ends with this process as usual.)
+        """
         if self._proc is not None:
+            self._proc.stdin.write(STAND_DOWN + b"\n")
             self._proc.stdin.close()
             self._proc.wait(timeout=10)
             self._proc = None
@@ -112,8 +117,10 @@ def kill_survivors(lines, proc: Path = PROC, kill=os.kill) -> list[int]:
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    lines = sys.stdin.read().splitlines()  # returns when the worker's end of the pipe closes
-    kill_survivors(line for line in lines if line.strip())
+    lines = [ln for ln in sys.stdin.buffer.read().splitlines() if ln.strip()]  # returns when the pipe closes
+    if lines and lines[-1] == STAND_DOWN:
+        return
+    kill_survivors(ln.decode() for ln in lines)
 
 
 if __name__ == "__main__":

@@ -73,3 +73,15 @@ def test_a_sigkilled_owner_takes_its_engine_processes_with_it():
     while g.running(watched[0], started) and time.monotonic() < end:
         time.sleep(0.1)
     assert not g.running(watched[0], started)
+
+
+def test_a_clean_close_kills_nothing():
+    guard = g.EngineGuard()
+    guard.before()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert child.pid in guard.watch()
+        guard.close()  # the engine shut down cleanly; what is left ends with its owner
+        assert child.poll() is None and g.running(child.pid, g.start_time(child.pid))
+    finally:
+        child.kill()
