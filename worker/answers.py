@@ -115,7 +115,7 @@ class AnswerStore:
         client = None
         try:
             client = RedisCluster.from_url(
-                self.seeds.url, startup_nodes=[ClusterNode(h, p) for h, p in self.seeds.addresses()],
+                self.seeds.url, startup_nodes=self.seeds.startup_nodes(ClusterNode),
                 socket_timeout=self.timeout, socket_connect_timeout=self.timeout, cluster_error_retry_attempts=1)
             await asyncio.wait_for(client.initialize(), self.timeout * 4)
             self.seeds.remember(client.get_nodes())

@@ -44,6 +44,8 @@ def running(pid: int, started: int, proc: Path = PROC) -> bool:
 def parents(proc: Path = PROC) -> dict[int, int]:
     """pid -> parent pid of every process visible in /proc."""
     out = {}
+    if not proc.is_dir():  # not Linux: nothing to read, nothing guarded
+        return out
     for entry in proc.iterdir():
         if entry.name.isdigit():
             fields = stat_fields(int(entry.name), proc)
@@ -77,8 +79,6 @@ class EngineGuard:
 
     def watch(self) -> list[int]:
         """Hand the processes started since `before()` to a guard; returns their pids."""
-        if not PROC.is_dir():  # not Linux: nothing to read, nothing guarded
-            return []
         new = [p for p in descendants(parents(), os.getpid()) if p not in self._before]
         lines = "".join(f"{p} {t}\n" for p in new if (t := start_time(p)) is not None)
         if not lines:

@@ -64,7 +64,7 @@ class _Redis:
 
             try:
                 self._client = RedisCluster.from_url(
-                    self.seeds.url, startup_nodes=[ClusterNode(h, p) for h, p in self.seeds.addresses()],
+                    self.seeds.url, startup_nodes=self.seeds.startup_nodes(ClusterNode),
                     socket_timeout=self.timeout_s, cluster_error_retry_attempts=1, socket_connect_timeout=self.timeout_s,
                     socket_read_size=PAGE_READ_SIZE)
                 self.seeds.remember(self._client.get_nodes())

@@ -46,3 +46,7 @@ class SeedNodes:
             if addr not in out:
                 out.append(addr)
         return out
+
+    def startup_nodes(self, node_cls) -> list:
+        """`addresses()` as the client's node class (redis-py has one for sync and one for asyncio)."""
+        return [node_cls(host, port) for host, port in self.addresses()]

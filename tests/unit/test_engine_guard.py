@@ -28,6 +28,7 @@ def test_parents_and_start_times_read_from_proc(tmp_path):
     proc = fake_proc(tmp_path, {10: (1, "S", 500), 11: (10, "R", 600)})
     assert g.parents(proc) == {10: 1, 11: 10}
     assert g.start_time(11, proc) == 600 and g.start_time(12, proc) is None
+    assert g.parents(tmp_path / "no-proc-here") == {}  # not Linux: nothing guarded, nothing fails
 
 
 def test_only_the_same_live_processes_are_killed(tmp_path):

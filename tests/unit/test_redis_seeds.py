@@ -31,3 +31,4 @@ def test_seeds_keep_the_last_topology_after_the_configured_nodes():
     assert seeds.addresses() == [("b", 2), ("a", 1), ("c", 3)]
     seeds.remember([Node(host="d", port=4)])
     assert seeds.addresses() == [("b", 2), ("d", 4)]
+    assert [(n.host, n.port) for n in seeds.startup_nodes(lambda h, p: Node(host=h, port=p))] == [("b", 2), ("d", 4)]
