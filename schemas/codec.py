@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
 from schemas.limits import Limits
@@ -13,12 +15,41 @@ MSGPACK = "application/msgpack"
 
 _id_ok = msgspec.json.Decoder(RequestId)
 _topic_ok = msgspec.json.Decoder(TopicName)
+# Error texts travel in replies and DLQ headers; anything taken from a record is cut to this.
+MAX_MESSAGE_CHARS = 512
+_DEPTH_ONLY = bytes.maketrans(b"{}", b"[]")
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]")
+
+
+def cap(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """A message of at most `limit` chars, marked where it was cut."""
+    return text if len(text) <= limit else text[: limit - 14] + "... (truncated)"
+
+
+def json_depth_exceeds(value: bytes, limit: int) -> bool:
+    """True when JSON `value` nests arrays/objects deeper than `limit` (or its brackets do not balance).
+
+    Decoders recurse per level; a record nested thousands deep must be refused before one does.
+    Fast path: fewer brackets than the limit cannot nest deeper. Otherwise strings are blanked,
+    and each pass removes the innermost `[]` pairs (C-speed `bytes.replace`), at most `limit` passes.
+    """
+    if value.count(b"[") + value.count(b"{") <= limit:
+        return False
+    brackets = _JSON_STRING.sub(b"", value).translate(_DEPTH_ONLY, _NOT_BRACKETS)
+    for _ in range(limit):
+        shorter = brackets.replace(b"[]", b"")
+        if shorter == brackets:
+            break
+        brackets = shorter
+    return bool(brackets)
 
 
 class BadRequest(Exception):
     """A record that cannot be served. `id`/`reply_to` are set when readable."""
 
     def __init__(self, code: ErrorCode, message: str, id: str | None = None, reply_to: str | None = None):
+        message = cap(message)
         super().__init__(message)
         self.code = code
         self.message = message
@@ -36,9 +67,12 @@ def _valid(decoder: msgspec.json.Decoder, value) -> str | None:
 
 
 def _content_type(headers) -> str:
+    """The record's content type; a header with no value, or any odd key, is skipped, never an error."""
     for key, value in headers or ():
-        if key.lower() == CONTENT_TYPE:
-            return value.decode("latin-1").split(";")[0].strip().lower()
+        if isinstance(key, bytes):
+            key = key.decode("latin-1")
+        if isinstance(key, str) and key.lower() == CONTENT_TYPE and isinstance(value, (bytes, bytearray)):
+            return bytes(value[:256]).decode("latin-1").split(";")[0].strip().lower()
     return JSON
 
 
@@ -64,16 +98,23 @@ class RequestCodec:
             )
         if content_type == JSON:
             decoder = self._json
+            if json_depth_exceeds(value, self.limits.max_nesting_depth):
+                raise self._bad(ErrorCode.INVALID_REQUEST,
+                                f"JSON nests deeper than {self.limits.max_nesting_depth} levels (or is unbalanced)",
+                                value, content_type, key)
         elif content_type == MSGPACK:
             decoder = self._msgpack
         else:
-            raise self._bad(ErrorCode.INVALID_REQUEST, f"unsupported content-type {content_type!r}", value, JSON, key)
+            raise self._bad(ErrorCode.INVALID_REQUEST, f"unsupported content-type {cap(repr(content_type), 80)}",
+                            value, JSON, key)
         try:
             request = decoder.decode(value)
         except msgspec.ValidationError as exc:
             raise self._bad(ErrorCode.INVALID_REQUEST, f"invalid request: {exc}", value, content_type, key) from None
         except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             raise self._bad(ErrorCode.INVALID_REQUEST, f"undecodable {content_type}: {exc}", value, content_type, key) from None
+        except RecursionError:  # msgpack has no brackets to count first
+            raise self._bad(ErrorCode.INVALID_REQUEST, f"{content_type} nests too deep", value, content_type, key) from None
         problem = self.check(request)
         if problem is not None:
             code, message = problem
@@ -87,6 +128,8 @@ class RequestCodec:
         if r.kind == "generate":
             if (r.prompt is None) == (r.messages is None):
                 return bad, "generate needs exactly one of `prompt` or `messages`"
+            if r.prompt is not None and not r.prompt:
+                return bad, "`prompt` is empty"
             if r.messages is not None and not r.messages:
                 return bad, "`messages` is empty"
         elif r.kind == "score":
@@ -120,6 +163,10 @@ class RequestCodec:
             return ErrorCode.PAYLOAD_TOO_LARGE, f"prompt is {chars} chars; the limit is {lim.max_prompt_chars}"
         return None
 
+    def bad_request(self, code: ErrorCode, message: str, value, headers=(), key=None) -> BadRequest:
+        """A `BadRequest` addressed to the record's id and reply topic where they can be read."""
+        return self._bad(code, message, value, _content_type(headers), key)
+
     def _bad(self, code, message, value, content_type, key) -> BadRequest:
         """Recover id and reply topic from a record that failed, so the producer hears back."""
         rid = reply_to = None
@@ -128,14 +175,14 @@ class RequestCodec:
             try:
                 dec = self._msgpack_envelope if content_type == MSGPACK else self._json_envelope
                 envelope = dec.decode(value)
-            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+            except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
                 envelope = None
         if envelope is not None:
             rid = _valid(_id_ok, envelope.id)
             reply_to = envelope.reply_to
         if rid is None and key:
             try:
-                rid = _valid(_id_ok, key.decode("utf-8"))
+                rid = _valid(_id_ok, bytes(key[:512]).decode("utf-8"))
             except UnicodeDecodeError:
                 rid = None
         if reply_to is not None and _valid(_topic_ok, reply_to) is None:

@@ -1,4 +1,9 @@
-"""Dead-letter record headers: the original bytes travel unchanged as the value."""
+"""Dead-letter records: the original bytes as the value, headers naming the error and the source.
+
+A copy must always fit the broker's largest record, or the DLQ write itself would fail
+and take the worker with it: `fit` drops the original headers and cuts the value when
+needed, and says so in `x-sluice-truncated`.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,9 @@ ERROR_MESSAGE = "x-sluice-error-message"
 SOURCE_TOPIC = "x-sluice-source-topic"
 SOURCE_PARTITION = "x-sluice-source-partition"
 SOURCE_OFFSET = "x-sluice-source-offset"
+TRUNCATED = "x-sluice-truncated"
+_NAMES = {ERROR_CODE, ERROR_MESSAGE, SOURCE_TOPIC, SOURCE_PARTITION, SOURCE_OFFSET, TRUNCATED}
+_RECORD_OVERHEAD = 512  # record and batch framing, generously
 
 
 def headers(code: str, message: str, topic: str, partition: int, offset: int) -> list[tuple[str, bytes]]:
@@ -19,7 +27,32 @@ def headers(code: str, message: str, topic: str, partition: int, offset: int) ->
     ]
 
 
+def _size(key, value, hdrs) -> int:
+    return (len(key or b"") + len(value or b"") + _RECORD_OVERHEAD
+            + sum(len(k.encode() if isinstance(k, str) else k) + len(v or b"") + 8 for k, v in hdrs))
+
+
+def fit(key: bytes | None, value: bytes | None, original_headers, dlq_headers: list, max_bytes: int):
+    """(key, value, headers) of a dead letter no larger than `max_bytes`.
+
+    Original headers travel along when they fit (with keys that are not text made safe);
+    otherwise they are dropped, then the key and value are cut, and `x-sluice-truncated`
+    gives the original sizes so an operator knows to read the source record itself.
+    """
+    kept = [(k if isinstance(k, str) else bytes(k).decode("latin-1"), v) for k, v in original_headers or ()]
+    hdrs = kept + dlq_headers
+    if _size(key, value, hdrs) <= max_bytes:
+        return key, value, hdrs
+    note = (f"value={len(value or b'')},key={len(key or b'')},"
+            f"headers={len(kept)}:{sum(len(v or b'') for _, v in kept)}").encode()
+    hdrs = dlq_headers + [(TRUNCATED, note)]
+    room = max(0, max_bytes - _size(None, None, hdrs))
+    key = None if key is None else key[: min(len(key), 1024, room)]
+    room -= len(key or b"")
+    value = None if value is None else value[: max(0, room)]
+    return key, value, hdrs
+
+
 def parse(headers_in) -> dict[str, str]:
     """Header list (as aiokafka returns it) to a dict of the DLQ fields."""
-    names = {ERROR_CODE, ERROR_MESSAGE, SOURCE_TOPIC, SOURCE_PARTITION, SOURCE_OFFSET}
-    return {k: v.decode() for k, v in (headers_in or ()) if k in names}
+    return {k: v.decode() for k, v in (headers_in or ()) if k in _NAMES and v is not None}

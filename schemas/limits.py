@@ -15,5 +15,7 @@ class Limits(Struct, frozen=True, kw_only=True):
     max_prompt_chars: int = 256 * 1024
     max_labels: int = 16
     max_label_chars: int = 64
+    # JSON arrays/objects nested deeper than this are refused before decoding
+    max_nesting_depth: int = 32
     # Prompt tokens are bounded by the model context; None means "the model's".
     max_prompt_tokens: int | None = None

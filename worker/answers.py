@@ -93,6 +93,11 @@ class AnswerStore:
         await self._connect()
         self._writer = asyncio.create_task(self._write_loop(), name="sluice-answers-writer")
 
+    @property
+    def writer(self) -> asyncio.Task | None:
+        """The background answer writer (the worker's supervisor watches it)."""
+        return self._writer
+
     def put_later(self, request_id: str, final_reply: bytes, had_progress: bool = False, limit: int = 10_000) -> None:
         """Queue an answer for the writer; bounded, oldest dropped first while Redis is away."""
         self._pending.append((request_id, final_reply, had_progress))

@@ -1,47 +1,62 @@
-"""Reply records: `token` / `done` / `error` keyed by request id, and dead letters.
+"""Reply records on the wire: `token` / `done` / `error` keyed by request id, and dead letters.
 
 Keying by request id keeps one request's records in one partition, in order.
 Token records are sent without waiting for delivery; the final record is
 awaited, and because a partition's records are delivered in order, its
 acknowledgement covers every token before it.
+
+The producer is passed in (aiokafka's, or the in-memory double in tests). Retriable
+failures are retried with back-off; when nothing could be produced for longer than
+`outage_s`, `ReplyOutage` is raised and the worker stops (it cannot answer anyone).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
-from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from schemas import ErrorReply, ReplyCodec, TokenReply, dlq
-from schemas.codec import CONTENT_TYPE, JSON
+from schemas import ErrorCode, ErrorReply, ReplyCodec, TokenReply, dlq
+from schemas.codec import CONTENT_TYPE, JSON, cap
 from worker import metrics
 
 log = structlog.get_logger("sluice.emitter")
 
 
+class ReplyOutage(RuntimeError):
+    """Replies could not be produced for longer than the configured bound: the worker must stop."""
+
+
+def kafka_producer(kafka_opts: dict, idempotence: bool, client_id: str, max_bytes: int):
+    from aiokafka import AIOKafkaProducer
+
+    return AIOKafkaProducer(**kafka_opts, client_id=f"{client_id}-producer", acks="all",
+                            enable_idempotence=idempotence, linger_ms=2, max_request_size=max_bytes)
+
+
 class Emitter:
-    def __init__(self, kafka_opts: dict, idempotence: bool, dlq_topic: str, client_id: str = "sluice",
-                 default_reply_topic: str | None = None, reply_attempts: int = 5):
-        self._producer = AIOKafkaProducer(
-            **kafka_opts,
-            client_id=f"{client_id}-producer",
-            acks="all",
-            enable_idempotence=idempotence,
-            linger_ms=2,
-            max_request_size=8 << 20,
-        )
+    def __init__(self, producer, dlq_topic: str, default_reply_topic: str | None = None, reply_attempts: int = 5,
+                 outage_s: float = 120.0, max_record_bytes: int = 1_000_000):
+        self._producer = producer
         self.codec = ReplyCodec()
         self.dlq_topic = dlq_topic
         self.default_reply_topic = default_reply_topic
         self.reply_attempts = reply_attempts
+        self.outage_s = outage_s
+        self.max_record_bytes = max_record_bytes
+        self.failing_since: float | None = None  # monotonic time of the first failure of the current outage
 
     async def start(self) -> None:
         await self._producer.start()
 
     async def stop(self) -> None:
         await self._producer.stop()
+
+    def outage_for(self) -> float:
+        """Seconds since produces started failing (0 while they succeed)."""
+        return 0.0 if self.failing_since is None else time.monotonic() - self.failing_since
 
     @staticmethod
     def _headers(request_id: str) -> list[tuple[str, bytes]]:
@@ -54,46 +69,67 @@ class Emitter:
         metrics.reply_records.labels("token").inc()
 
     async def final(self, topic: str, reply, retry_until=None) -> bytes:
-        """Send `done`/`error` and wait for the broker; retried while `retry_until()` is true.
+        """Send `done`/`error` and wait for the broker; returns the bytes sent.
 
         A requester's own `reply_to` topic that cannot be written (missing, not
         authorized, ...) must not hold the partition forever: after a non-retriable
         error or `reply_attempts` failures the reply goes to the default reply topic.
+        A reply the broker refuses outright (too large, say) is replaced by an
+        `internal` error, so no record can make every worker that reads it fail.
         """
+        if isinstance(reply, ErrorReply):
+            reply = ErrorReply(reply.id, reply.code, cap(reply.message))
         payload = self.codec.encode(reply)
         key, headers = reply.id.encode(), self._headers(reply.id)
         own_topic = self.default_reply_topic is not None and topic != self.default_reply_topic
         try:
-            await self._send_durably(topic, payload, key, headers, retry_until,
-                                     self.reply_attempts if own_topic else None)
+            try:
+                await self._send_durably(topic, payload, key, headers, retry_until,
+                                         self.reply_attempts if own_topic else None)
+            except KafkaError as exc:
+                if not own_topic:
+                    raise
+                log.warning("reply_topic_unusable", topic=topic, request_id=reply.id, error=repr(exc),
+                            fallback=self.default_reply_topic)
+                metrics.reply_fallbacks.inc()
+                headers.append(("x-sluice-reply-to-failed", topic.encode()))
+                topic = self.default_reply_topic
+                await self._send_durably(topic, payload, key, headers, retry_until)
         except KafkaError as exc:
-            if not own_topic:
+            if isinstance(reply, ErrorReply) and reply.code == ErrorCode.INTERNAL:
                 raise
-            log.warning("reply_topic_unusable", topic=topic, request_id=reply.id, error=repr(exc),
-                        fallback=self.default_reply_topic)
-            metrics.reply_fallbacks.inc()
-            headers.append(("x-sluice-reply-to-failed", topic.encode()))
-            await self._send_durably(self.default_reply_topic, payload, key, headers, retry_until)
+            log.error("reply_refused", topic=topic, request_id=reply.id, error=repr(exc))
+            reply = ErrorReply(reply.id, ErrorCode.INTERNAL, cap(f"the reply could not be produced: {exc!r}"))
+            payload = self.codec.encode(reply)
+            await self._send_durably(topic, payload, key, headers, retry_until)
         metrics.reply_records.labels("error" if isinstance(reply, ErrorReply) else "done").inc()
         return payload
 
     async def dead_letter(self, record, code: str, message: str, retry_until=None) -> None:
-        headers = list(record.headers or ()) + dlq.headers(code, message, record.topic, record.partition, record.offset)
-        await self._send_durably(self.dlq_topic, record.value, record.key, headers, retry_until)
+        """The record's original bytes to the DLQ, cut to fit the broker's record limit if needed."""
+        extra = dlq.headers(code, cap(message), record.topic, record.partition, record.offset)
+        key, value, headers = dlq.fit(record.key, record.value, record.headers, extra, self.max_record_bytes)
+        await self._send_durably(self.dlq_topic, value, key, headers, retry_until)
         metrics.reply_records.labels("dlq").inc()
 
     async def _send_durably(self, topic, value, key, headers, retry_until, attempts=None) -> None:
-        """Retriable errors are retried while `retry_until()` holds (at most `attempts` times)."""
+        """Retriable errors are retried while `retry_until()` holds (at most `attempts` times), within the outage bound."""
         delay = 0.2
         tries = 0
         while True:
             tries += 1
             try:
                 await self._producer.send_and_wait(topic, value, key=key, headers=headers)
+                self.failing_since = None
                 return
             except KafkaError as exc:
                 if not exc.retriable or retry_until is None or not retry_until():
                     raise
+                if self.failing_since is None:
+                    self.failing_since = time.monotonic()
+                if self.outage_for() > self.outage_s:
+                    raise ReplyOutage(f"no reply could be produced for {self.outage_for():.0f} s "
+                                      f"(SLUICE_REPLY_OUTAGE_S={self.outage_s:g}): {exc!r}") from exc
                 if attempts is not None and tries >= attempts:
                     raise
                 log.warning("produce_failed_retrying", topic=topic, error=repr(exc), retriable=exc.retriable)

@@ -71,3 +71,9 @@ def record_kv(cls: str, prompt_len: int, cached_tokens: int, kv: dict | None) ->
             kv_save_failures.labels(name.removeprefix("save_")).inc(n)
         elif name == "lookup_unavailable":
             kv_lookups_unavailable.inc(n)
+worker_failures = Counter("sluice_worker_failures_total",
+                          "Reasons a worker stopped itself (a stage failed, the engine stalled or died, ...)",
+                          ["reason"], registry=REGISTRY)
+intake_errors = Counter("sluice_intake_errors_total",
+                        "Records whose handling raised unexpectedly (answered `internal`), or fetches that failed",
+                        ["class", "kind"], registry=REGISTRY)

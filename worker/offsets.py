@@ -33,6 +33,11 @@ class OffsetTracker:
         heapq.heappush(p.heap, offset)
         p.next_offset = offset + 1
 
+    def next_offset(self, tp) -> int | None:
+        """One past the highest offset taken from `tp`, or None if nothing was taken yet."""
+        p = self._parts.get(tp)
+        return None if p is None else p.next_offset
+
     def finish(self, tp, offset: int) -> None:
         p = self._parts.get(tp)
         if p is None or offset not in p.pending:

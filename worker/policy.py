@@ -40,6 +40,31 @@ class ClassPolicy:
             raise ValueError(f"{self.name}: need 0 < min_in_engine <= contended_in_engine <= max_in_engine")
 
 
+@dataclass(frozen=True)
+class Running:
+    """A request holding an engine slot, as the suspension choice sees it."""
+
+    item: Any
+    cls: str
+    generated: int  # tokens generated so far
+    suspending: bool  # already asked to leave
+
+
+def choose_suspensions(excess: dict[str, int], running: list[Running]) -> list:
+    """Which running items to suspend so each class gives back `excess[cls]` slots.
+
+    Those already suspending count toward the excess; of the rest, the ones with the
+    fewest generated tokens go first: they lose the least if their KV is evicted meanwhile.
+    """
+    chosen = []
+    for cls, n in excess.items():
+        mine = [r for r in running if r.cls == cls]
+        n -= sum(r.suspending for r in mine)
+        candidates = sorted((r for r in mine if not r.suspending), key=lambda r: r.generated)
+        chosen += [r.item for r in candidates[:max(0, n)]]
+    return chosen
+
+
 _NO_DEADLINE = 1 << 62
 
 

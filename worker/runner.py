@@ -22,6 +22,7 @@ from worker import metrics
 from worker.answers import AnswerStore
 from worker.emitter import Emitter
 from worker.engine import Engine, EngineDead, GenParams
+from worker.replies import Replies
 
 
 @dataclass
@@ -70,11 +71,12 @@ def _now_ms() -> int:
 class Runner:
     def __init__(self, engine: Engine, emitter: Emitter, answers: AnswerStore, limits: Limits, running,
                  chunk_tokens: int = 1, chunk_ms: int = 0, release_slot=lambda job: None,
-                 templates: Templates | None = None):
+                 templates: Templates | None = None, replies: Replies | None = None, on_progress=lambda: None):
         self.engine, self.emitter, self.answers, self.limits = engine, emitter, answers, limits
         self.templates = templates or Templates()
         self.release_slot = release_slot  # the engine slot is free once generation ends
-        self.running = running  # callable: keep retrying produces while true
+        self.replies = replies or Replies(emitter, answers, None, running)
+        self.on_progress = on_progress  # called on every engine output: the stall detector's clock
         self.chunk_tokens, self.chunk_s = chunk_tokens, chunk_ms / 1000
 
     def params(self, request: Request, prompt_len: int, label_ids: tuple[int, ...] = ()) -> GenParams:
@@ -118,7 +120,6 @@ class Runner:
         req = job.request
         log = structlog.get_logger("sluice.runner").bind(
             request_id=req.id, cls=job.latency_class, partition=getattr(job.tp, "partition", None), offset=job.offset)
-        cls = job.latency_class
         try:
             if job.segments == 0:
                 if req.deadline_ms is not None and _now_ms() >= req.deadline_ms:
@@ -139,12 +140,7 @@ class Runner:
             log.exception("request_failed")
             final = ErrorReply(req.id, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")
         self.release_slot(job)
-        payload = await self.emitter.final(job.reply_to, final, self.running)
-        outcome = final.code.value if isinstance(final, ErrorReply) else final.finish_reason
-        metrics.requests_completed.labels(cls, outcome).inc()
-        metrics.end_to_end.labels(cls).observe(max(0.0, time.time() - job.timestamp_ms / 1000))
-        self.answers.put_later(req.id, payload, had_progress=job.seq > 0)
-        log.info("request_answered", outcome=outcome, segments=job.segments)
+        await self.replies.finish(job, final)
 
     async def _resume(self, job: Job, log) -> None:
         """Continue after the tokens an earlier owner emitted: re-send them unchanged, then generate the rest."""
@@ -159,13 +155,6 @@ class Runner:
             job.seq += 1
         metrics.resumed.labels(job.latency_class).inc()
         log.info("request_resumed", emitted_tokens=len(job.generated), next_seq=job.seq)
-
-    async def resend(self, job: Job, stored: bytes) -> None:
-        """A repeat of an answered id: re-send the same final reply, run nothing."""
-        metrics.duplicates.labels(job.latency_class).inc()
-        await self.emitter.final(job.reply_to, self.emitter.codec.decode(stored), self.running)
-        structlog.get_logger("sluice.runner").info("duplicate_answered_from_store", request_id=job.request.id,
-                                                   cls=job.latency_class)
 
     async def _generate(self, job: Job, params: GenParams, log) -> DoneReply:
         req, cls = job.request, job.latency_class
@@ -185,6 +174,7 @@ class Runner:
         new_tokens = 0
         prefix_len = len(job.prompt_ids) + len(job.generated)  # this segment's prompt, as the engine sees it
         async for delta in self.engine.generate(engine_id, job.prompt_ids + job.generated, params, job.priority):
+            self.on_progress()
             if want_scores and job.scores is None:
                 job.scores = self._scores(job, delta.logprobs)
             if scores_only:

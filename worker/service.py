@@ -53,8 +53,7 @@ async def run_worker(settings: Settings, catalog: Catalog) -> int:
     def status():
         if worker is None:
             return False, {"engine": "loading"}
-        return worker.ready, {"redis": "up" if worker.answers.available else "degraded",
-                              "in_flight": worker.in_flight()}
+        return worker.health()
 
     ops = OpsServer(settings.metrics_host, settings.metrics_port, status)
     await ops.start()
@@ -63,8 +62,10 @@ async def run_worker(settings: Settings, catalog: Catalog) -> int:
     try:
         worker = Worker(settings, catalog, engine)
         await worker.start()
-        await worker.run_until(stop)
-        return 0
+        rc = await worker.run_until(stop)
+        if rc:
+            log.error("worker_exiting", rc=rc, reason=worker.supervisor.failure)
+        return rc
     except EngineDead:
         return 1
     finally:

@@ -71,6 +71,15 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     stream_chunk_tokens: Positive = 8
     stream_chunk_ms: Annotated[int, Meta(ge=0)] = 50
     drain_grace_s: Annotated[float, Meta(ge=0)] = 30.0
+    # Failing closed: the worker stops itself (not ready, drain, exit 1) when requests wait and the
+    # engine makes no progress this long, when an intake loop has not polled this long, or when no
+    # reply could be produced this long. Shorter broker outages are retried with back-off.
+    engine_stall_s: Annotated[float, Meta(gt=0)] = 120.0
+    engine_health_interval_s: Annotated[float, Meta(gt=0)] = 10.0
+    intake_stall_s: Annotated[float, Meta(gt=0)] = 60.0
+    reply_outage_s: Annotated[float, Meta(gt=0)] = 120.0
+    # Largest record sluice produces (replies, dead letters); Apache Kafka's default limit is 1 MB.
+    max_produce_bytes: Annotated[int, Meta(ge=4096)] = 1_000_000
     metrics_port: Port = 9464
     metrics_host: str = "0.0.0.0"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -84,6 +93,7 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     max_messages: Positive = 64
     max_prompt_chars: Positive = 256 * 1024
     max_prompt_tokens: Positive | None = None
+    max_nesting_depth: Positive = 32
     # Score templates: `<name>.toml` files here add to (or override) the built-in ones.
     templates_dir: str | None = None
 
@@ -97,6 +107,7 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
             max_messages=self.max_messages,
             max_prompt_chars=self.max_prompt_chars,
             max_prompt_tokens=self.max_prompt_tokens,
+            max_nesting_depth=self.max_nesting_depth,
         )
 
     def kafka_common(self) -> dict:

@@ -22,9 +22,7 @@ class StubProducer:
 
 
 def _emitter(failures):
-    em = Emitter({"bootstrap_servers": "127.0.0.1:1"}, False, "dlq", default_reply_topic="replies", reply_attempts=3)
-    em._producer = StubProducer(failures)
-    return em
+    return Emitter(StubProducer(failures), "dlq", default_reply_topic="replies", reply_attempts=3)
 
 
 DONE = DoneReply("r1", 0, "hi", "stop", Usage(1, 1))

@@ -1,0 +1,121 @@
+"""Dispatch: admission (the pure policy decides) and the per-record tasks that answer requests.
+
+One loop admits waiting jobs into the engine whenever something changes, and
+suspends lower-class jobs the policy picks when a higher class needs their slots.
+Every per-record task (a request running, a rejection, a re-sent answer) is spawned
+here; when it ends its offset is finished in the tracker. A per-record task that
+raises (the engine died, replies could not be produced for too long, a bug) fails
+the worker: its offset stays uncommitted, and another worker takes the partition.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from worker import metrics
+from worker.engine import EngineDead
+from worker.policy import Running, Scheduler, choose_suspensions
+from worker.runner import Job, Suspended
+
+log = structlog.get_logger("sluice.dispatch")
+
+
+class Dispatcher:
+    def __init__(self, scheduler: Scheduler, tracker, supervisor, liveness):
+        self.scheduler, self.tracker, self.supervisor, self.liveness = scheduler, tracker, supervisor, liveness
+        self.runner = None  # set by the worker (the runner needs `release_slot` from here)
+        self.replies = None
+        self.tasks: dict[asyncio.Task, object] = {}  # per-record task -> its partition
+        self.engine_jobs: dict[asyncio.Task, Job] = {}  # tasks holding an engine slot
+        self.rejects = 0
+        self.wake = asyncio.Event()  # something to admit, or a slot freed
+
+    def add(self, cls: str, job: Job) -> None:
+        self.scheduler.add(cls, job, job.timestamp_ms, job.request.deadline_ms)
+
+    def busy(self) -> bool:
+        """Work waits for or holds an engine slot: the engine should be making progress."""
+        return bool(self.engine_jobs) or self.scheduler.waiting() > 0
+
+    def in_flight(self) -> int:
+        return len(self.tasks) + self.scheduler.waiting()
+
+    async def run(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            admitted, expired = self.scheduler.admit(int(time.time() * 1000))
+            if admitted:
+                self.liveness.engine_moved()  # admission is progress too: the stall clock restarts
+            for cls, job in expired:
+                self.spawn(self.replies.expire(job), cls, job.tp, job.offset)
+            for cls, job in admitted:
+                job.slot_released = False
+                task = self.spawn(self.runner.serve(job), cls, job.tp, job.offset)
+                self.engine_jobs[task] = job
+            self._suspend()
+            for p in self.scheduler.policies:
+                metrics.waiting.labels(p.name).set(self.scheduler.waiting(p.name))
+                metrics.in_engine.labels(p.name).set(self.scheduler.running(p.name))
+            if self.scheduler.waiting():
+                # Deadlines move with the clock: look again soon even if nothing else happens.
+                asyncio.get_running_loop().call_later(0.05, self.wake.set)
+
+    def _suspend(self) -> None:
+        excess = self.scheduler.overcommitted()
+        if not excess:
+            return
+        running = [Running(job, job.latency_class, len(job.generated), job.suspend.is_set())
+                   for job in self.engine_jobs.values() if not job.slot_released]
+        for job in choose_suspensions(excess, running):
+            job.suspend.set()
+
+    def release_slot(self, job: Job) -> None:
+        """Free the job's engine slot (once), as soon as it no longer generates."""
+        if not job.slot_released:
+            job.slot_released = True
+            self.scheduler.release(job.latency_class)
+            self.wake.set()
+
+    def drop(self, partitions: set) -> list:
+        """Waiting jobs of revoked partitions: never started, the new owner reads them again."""
+        return self.scheduler.remove(lambda job: job.tp in partitions)
+
+    def reject_done(self) -> None:
+        self.rejects -= 1
+
+    def spawn(self, coro, cls: str, tp, offset: int, on_done=None) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self.tasks[task] = tp
+        task.add_done_callback(lambda t: self._finished(t, cls, tp, offset, on_done))
+        return task
+
+    def _finished(self, task: asyncio.Task, cls: str, tp, offset: int, on_done) -> None:
+        self.tasks.pop(task, None)
+        if on_done is not None:
+            on_done()
+        job = self.engine_jobs.pop(task, None)
+        if job is not None:
+            self.release_slot(job)
+        if task.cancelled():
+            return  # not answered: the record stays uncommitted and is read again
+        exc = task.exception()
+        if exc is None:
+            self.tracker.finish(tp, offset)
+            return
+        if isinstance(exc, Suspended):
+            if tp in self.tracker.partitions():  # still ours: wait for a slot again
+                self.add(cls, exc.job)
+            return
+        if isinstance(exc, EngineDead):
+            metrics.engine_up.set(0)
+            self.supervisor.fail(f"engine dead: {exc}")
+        else:
+            log.error("reply_failed", error=repr(exc), partition=getattr(tp, "partition", None), offset=offset,
+                      exc_info=exc)
+            # Without its answer produced, the offset must not be committed: stop and let
+            # the group hand the partition to a healthy worker.
+            self.supervisor.fail(f"replies failed: {exc!r}")

@@ -1,0 +1,218 @@
+"""In-memory doubles of the worker's clients: a broker with consumer and producer, and an answer store.
+
+The same stage code runs over these (millisecond unit tests with the fake engine)
+and over aiokafka + Redis Cluster (integration tests). They implement only what
+the worker calls, with the same shapes: `ConsumerRecord`, `TopicPartition`,
+futures from `send`, `KafkaError`s with `retriable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+
+from aiokafka.errors import MessageSizeTooLargeError
+from aiokafka.structs import ConsumerRecord, TopicPartition
+
+from worker.answers import Progress
+
+
+class MemoryBroker:
+    def __init__(self, partitions: int = 1, max_record_bytes: int = 1_048_576):
+        self.partitions = partitions
+        self.max_record_bytes = max_record_bytes
+        self.logs: dict[TopicPartition, list[ConsumerRecord]] = defaultdict(list)
+        self.committed: dict[TopicPartition, int] = {}
+        self.appended = asyncio.Event()
+
+    def append(self, topic: str, value, key=None, headers=(), partition: int | None = None) -> ConsumerRecord:
+        if partition is None:
+            partition = (hash(key) % self.partitions) if key is not None else 0
+        tp = TopicPartition(topic, partition)
+        log = self.logs[tp]
+        rec = ConsumerRecord(topic, partition, len(log), int(time.time() * 1000), 0, key, value, None,
+                             len(key or b""), len(value or b""), tuple(headers or ()))
+        log.append(rec)
+        self.appended.set()
+        return rec
+
+    def records(self, topic: str) -> list[ConsumerRecord]:
+        return [r for tp, log in sorted(self.logs.items()) if tp.topic == topic for r in log]
+
+
+class MemoryConsumer:
+    """One group member that owns every partition of its topics.
+
+    `fail_next` makes the next `getmany` raise (a client fault); `unreadable` holds
+    (tp, offset) pairs that raise on read, like a record aiokafka cannot parse.
+    """
+
+    def __init__(self, broker: MemoryBroker):
+        self.broker = broker
+        self.topics: list[str] = []
+        self.listener = None
+        self._assigned: set[TopicPartition] = set()
+        self._paused: set[TopicPartition] = set()
+        self._position: dict[TopicPartition, int] = {}
+        self.unreadable: set[tuple[TopicPartition, int]] = set()
+        self.fail_next: Exception | None = None
+        self.commit_error: Exception | None = None
+        self.polls = 0
+
+    def subscribe(self, topics, listener=None) -> None:
+        self.topics, self.listener = list(topics), listener
+
+    async def start(self) -> None:
+        await self.assign({TopicPartition(t, p) for t in self.topics for p in range(self.broker.partitions)})
+
+    async def assign(self, tps: set) -> None:
+        """A rebalance: revoke what is no longer ours, then assign, as the group protocol does."""
+        if self.listener is not None and self._assigned:
+            await self.listener.on_partitions_revoked(set(self._assigned))
+        self._assigned = set(tps)
+        for tp in tps:
+            self._position[tp] = self.broker.committed.get(tp, 0)
+        if self.listener is not None:
+            await self.listener.on_partitions_assigned(set(tps))
+
+    async def stop(self) -> None:
+        return None
+
+    def assignment(self) -> set:
+        return set(self._assigned)
+
+    def pause(self, *tps) -> None:
+        self._paused.update(tps)
+
+    def resume(self, *tps) -> None:
+        self._paused.difference_update(tps)
+
+    async def position(self, tp) -> int:
+        return self._position[tp]
+
+    def seek(self, tp, offset: int) -> None:
+        self._position[tp] = offset
+
+    async def getmany(self, *tps, timeout_ms: int = 0, max_records: int | None = None) -> dict:
+        self.polls += 1
+        if self.fail_next is not None:
+            exc, self.fail_next = self.fail_next, None
+            raise exc
+        end = time.monotonic() + timeout_ms / 1000
+        while True:
+            got, budget = {}, max_records or 1 << 30
+            for tp in tps or sorted(self._assigned):
+                if tp not in self._assigned or tp in self._paused:
+                    continue
+                log, pos = self.broker.logs.get(tp, []), self._position[tp]
+                take = []
+                for rec in log[pos: pos + budget]:
+                    if (tp, rec.offset) in self.unreadable:
+                        if take:
+                            break  # hand out what came before it; raise on the next read
+                        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+                    take.append(rec)
+                if take:
+                    got[tp] = take
+                    self._position[tp] = take[-1].offset + 1
+                    budget -= len(take)
+                if budget <= 0:
+                    break
+            if got or time.monotonic() >= end:
+                return got
+            self.broker.appended.clear()
+            try:
+                await asyncio.wait_for(self.broker.appended.wait(), max(0.001, end - time.monotonic()))
+            except asyncio.TimeoutError:
+                pass
+
+    async def commit(self, offsets: dict) -> None:
+        if self.commit_error is not None:
+            raise self.commit_error
+        self.broker.committed.update(offsets)
+
+
+class MemoryProducer:
+    """Appends to the broker. `fail(topic, value)` may return an exception to raise instead."""
+
+    def __init__(self, broker: MemoryBroker, fail=None):
+        self.broker = broker
+        self.fail = fail or (lambda topic, value: None)
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    def _append(self, topic, value, key, headers):
+        exc = self.fail(topic, value)
+        if exc is not None:
+            raise exc
+        size = len(value or b"") + len(key or b"") + sum(len(k) + len(v or b"") for k, v in headers or ())
+        if size > self.broker.max_record_bytes:
+            raise MessageSizeTooLargeError(f"{size} bytes")
+        return self.broker.append(topic, value, key, headers, partition=0)
+
+    async def send(self, topic, value=None, key=None, headers=None):
+        fut = asyncio.get_running_loop().create_future()
+        try:
+            fut.set_result(self._append(topic, value, key, headers))
+        except Exception as exc:  # noqa: BLE001 - delivered through the future, as aiokafka does
+            fut.set_exception(exc)
+        return fut
+
+    async def send_and_wait(self, topic, value=None, key=None, headers=None):
+        return self._append(topic, value, key, headers)
+
+
+class MemoryAnswers:
+    """The AnswerStore's interface over dicts; `available` False behaves as degraded Redis."""
+
+    def __init__(self):
+        self.answers: dict[str, bytes] = {}
+        self.progress: dict[str, dict] = {}
+        self.available = True
+        self.fail_writer: Exception | None = None
+        self._writer: asyncio.Task | None = None
+        self._wanted = asyncio.Event()
+
+    async def start(self) -> None:
+        self._writer = asyncio.create_task(self._write_loop(), name="sluice-answers-writer")
+
+    async def _write_loop(self) -> None:
+        while True:
+            await self._wanted.wait()
+            self._wanted.clear()
+            if self.fail_writer is not None:
+                raise self.fail_writer
+
+    @property
+    def writer(self) -> asyncio.Task | None:
+        return self._writer
+
+    async def stop(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
+            await asyncio.gather(self._writer, return_exceptions=True)
+
+    async def lookup_many(self, request_ids, streamed):
+        if not self.available:
+            return [(None, None)] * len(request_ids)
+        out = []
+        for rid, stream in zip(request_ids, streamed):
+            chunks = self.progress.get(rid) if stream else None
+            out.append((self.answers.get(rid),
+                        Progress([c for _, c in sorted(chunks.items())]) if chunks else None))
+        return out
+
+    def put_later(self, request_id: str, final_reply: bytes, had_progress: bool = False) -> None:
+        if self.available:
+            self.answers[request_id] = final_reply
+            self.progress.pop(request_id, None)
+        self._wanted.set()
+
+    async def append_chunk(self, request_id, seq, token_ids, text, scores=None) -> None:
+        if self.available:
+            self.progress.setdefault(request_id, {})[seq] = (list(token_ids), text)

@@ -1,0 +1,203 @@
+"""Intake: one loop per latency class reads records, decodes them, and hands each one on.
+
+Per-record isolation: nothing a record carries (value, key, headers, depth, encoding,
+size, field values) can raise out of here. Every record ends as a job for the
+dispatcher, an `error` reply or a dead letter, and its offset is owned by the
+offset tracker until then. A record the Kafka client itself cannot parse (a header
+key that is not UTF-8, a corrupt batch) is found by reading one record at a time,
+dead-lettered with its coordinates, and skipped.
+
+Backpressure: a class whose waiting queue is full has its partitions paused; the
+loop keeps polling, so group membership is never at risk. Each loop stamps
+`Liveness.polled` after every successful poll; the monitor fails the worker when
+a loop stops polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+from aiokafka.errors import CorruptRecordException, KafkaError
+
+from schemas import BadRequest, ErrorCode, RequestCodec
+from topics import Topic
+from worker import metrics
+from worker.runner import Job
+
+log = structlog.get_logger("sluice.intake")
+MAX_REJECTS_IN_FLIGHT = 256
+# What a Kafka client raises for a record it cannot parse.
+UNPARSEABLE = (UnicodeDecodeError, CorruptRecordException)
+
+
+class Unreadable:
+    """Stands for a record the client could not parse: only its coordinates are known."""
+
+    def __init__(self, topic: str, partition: int, offset: int, error: BaseException):
+        self.topic, self.partition, self.offset = topic, partition, offset
+        self.key = self.value = None
+        self.headers = ()
+        self.timestamp = 0
+        self.error = error
+
+
+class Intake:
+    def __init__(self, consumer, codec: RequestCodec, tracker, dispatcher, replies, answers, liveness,
+                 default_reply_topic: str, poll_ms: int):
+        self.consumer, self.codec, self.tracker = consumer, codec, tracker
+        self.dispatcher, self.replies, self.answers, self.liveness = dispatcher, replies, answers, liveness
+        self.default_reply_topic = default_reply_topic
+        self.poll_ms = poll_ms
+        self.paused: dict[str, bool] = {}
+
+    async def run(self, topic: Topic, policy) -> None:
+        """The loop of one class; it returns only when cancelled (an exception here is a worker failure)."""
+        cls = topic.latency_class
+        self.paused.setdefault(cls, False)
+        while True:
+            tps = [tp for tp in self.consumer.assignment() if tp.topic == topic.name]
+            if not tps or not self._backpressure(cls, tps) or self.dispatcher.rejects >= MAX_REJECTS_IN_FLIGHT:
+                self.liveness.polled(cls)
+                await asyncio.sleep(self.poll_ms / 1000)
+                continue
+            room = max(1, min(policy.batch_size, policy.max_waiting - self.dispatcher.scheduler.waiting(cls)))
+            try:
+                got = await self._fetch(tps, room, policy.window_ms)
+            except KafkaError as exc:
+                # Not stamped as a poll: a fetch that keeps failing trips the intake stall check.
+                metrics.intake_errors.labels(cls, "fetch").inc()
+                log.warning("fetch_failed", cls=cls, error=repr(exc), retriable=exc.retriable)
+                await asyncio.sleep(0.5)
+                continue
+            self.liveness.polled(cls)
+            jobs = [job for tp, records in got.items() for record in records
+                    if (job := self.take(topic, tp, record)) is not None]
+            if jobs:
+                await self._schedule(cls, jobs)
+
+    async def _fetch(self, tps, room: int, window_ms: int) -> dict:
+        got: dict = {}
+        try:
+            got = await self.consumer.getmany(*tps, timeout_ms=self.poll_ms, max_records=room)
+            n = sum(map(len, got.values()))
+            if n and n < room and window_ms:
+                # Micro-batch: give the window a chance to fill before admitting.
+                await asyncio.sleep(window_ms / 1000)
+                more = await self.consumer.getmany(*tps, timeout_ms=0, max_records=room - n)
+                for tp, recs in more.items():
+                    got.setdefault(tp, []).extend(recs)
+        except UNPARSEABLE as exc:
+            await self._read_carefully(tps, room, got, exc)
+        return got
+
+    async def _read_carefully(self, tps, room: int, got: dict, first: BaseException) -> None:
+        """After a parse failure: rewind each partition to the first record not yet taken, read
+        one record at a time, and turn each one that cannot be parsed into an `Unreadable`.
+
+        The failed fetch may have moved positions past records it never handed out, so the
+        rewind point is what the tracker (or the group's committed offset) says, not the position.
+        """
+        log.warning("unparseable_record_in_fetch", error=repr(first)[:300])
+        for tp in tps:
+            start = self.tracker.next_offset(tp)
+            if start is None:
+                start = await self.consumer.committed(tp) if hasattr(self.consumer, "committed") else None
+            if start is None:
+                start = await self.consumer.position(tp)
+            self.consumer.seek(tp, start)
+            for _ in range(room):
+                try:
+                    recs = await self.consumer.getmany(tp, timeout_ms=self.poll_ms, max_records=1)
+                except UNPARSEABLE as exc:
+                    offset = await self.consumer.position(tp)
+                    got.setdefault(tp, []).append(Unreadable(tp.topic, tp.partition, offset, exc))
+                    self.consumer.seek(tp, offset + 1)
+                    continue
+                if not recs:
+                    break
+                for part, records in recs.items():
+                    got.setdefault(part, []).extend(records)
+
+    def take(self, topic: Topic, tp, record) -> Job | None:
+        """Own the record; a valid one comes back as a job, anything else is answered here. Never raises."""
+        cls = topic.latency_class
+        try:
+            self.tracker.take(tp, record.offset)
+        except ValueError:
+            log.warning("record_already_taken", cls=cls, partition=tp.partition, offset=record.offset)
+            return None
+        metrics.records_consumed.labels(cls).inc()
+        try:
+            if isinstance(record, Unreadable):
+                self.dispatcher.spawn(self.replies.unreadable(cls, record), cls, tp, record.offset)
+                return None
+            request = self.codec.decode(record.value, record.headers, record.key)
+            return Job(request, cls, topic.priority, request.reply_to or self.default_reply_topic,
+                       tp, record.offset, record.timestamp)
+        except BadRequest as bad:
+            self._reject(cls, tp, record, bad)
+        except Exception as exc:  # noqa: BLE001 - one record never ends the loop
+            log.exception("record_failed", cls=cls, partition=tp.partition, offset=record.offset)
+            metrics.intake_errors.labels(cls, "record").inc()
+            self._reject(cls, tp, record, self._internal(record, exc))
+        return None
+
+    def _internal(self, record, exc: BaseException) -> BadRequest:
+        message = f"internal error reading the record: {type(exc).__name__}"
+        try:
+            return self.codec.bad_request(ErrorCode.INTERNAL, message, record.value, record.headers, record.key)
+        except Exception:  # noqa: BLE001 - no address can be read: dead-letter it
+            return BadRequest(ErrorCode.INTERNAL, message)
+
+    def _reject(self, cls: str, tp, record, bad: BadRequest) -> None:
+        self.dispatcher.rejects += 1
+        self.dispatcher.spawn(self.replies.reject(cls, record, bad), cls, tp, record.offset,
+                              on_done=self.dispatcher.reject_done)
+
+    async def _schedule(self, cls: str, jobs: list[Job]) -> None:
+        """Stored answers are re-sent; progress left by a dead owner rides along; the rest wait for admission."""
+        stored = await self.answers.lookup_many([job.request.id for job in jobs], [job.request.stream for job in jobs])
+        owned = set(self.tracker.partitions())  # a rebalance may have run during the lookup
+        for job, (answer, progress) in zip(jobs, stored):
+            if job.tp not in owned:
+                continue
+            try:
+                job.progress = progress  # an earlier owner died mid-stream: continue after its last token
+                reply = self.replies.decode_stored(answer) if answer is not None else None
+                if reply is not None:
+                    self.dispatcher.spawn(self.replies.resend(job, reply), cls, job.tp, job.offset)
+                else:
+                    self.dispatcher.add(cls, job)
+            except Exception as exc:  # noqa: BLE001 - answered `internal`, never the end of the loop
+                log.exception("job_failed", cls=cls, request_id=job.request.id)
+                metrics.intake_errors.labels(cls, "record").inc()
+                self._reject(cls, job.tp, _JobRecord(job),
+                             BadRequest(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}",
+                                        job.request.id, job.request.reply_to))
+        metrics.waiting.labels(cls).set(self.dispatcher.scheduler.waiting(cls))
+        self.dispatcher.wake.set()
+
+    def _backpressure(self, cls: str, tps) -> bool:
+        """Pause the class's partitions while its waiting queue is full; True when reading."""
+        scheduler = self.dispatcher.scheduler
+        if scheduler.should_pause(cls):
+            if not self.paused[cls]:
+                log.info("partitions_paused", cls=cls, waiting=scheduler.waiting(cls))
+            self.paused[cls] = True
+        elif self.paused[cls] and scheduler.should_resume(cls):
+            self.paused[cls] = False
+            self.consumer.resume(*tps)
+            log.info("partitions_resumed", cls=cls, waiting=scheduler.waiting(cls))
+        if self.paused[cls]:
+            self.consumer.pause(*tps)  # again each time: a rebalance may have added partitions
+        metrics.paused_partitions.labels(cls).set(len(tps) if self.paused[cls] else 0)
+        return not self.paused[cls]
+
+
+class _JobRecord:
+    """The coordinates of a job's record, for a rejection that has no record object at hand."""
+
+    def __init__(self, job: Job):
+        self.topic, self.partition, self.offset = job.tp.topic, job.tp.partition, job.offset
+        self.key, self.value, self.headers = job.request.id.encode(), None, ()

@@ -1,0 +1,75 @@
+"""Replies: every final reply (`done`, `error`, dead letter) leaves from here, with its metrics.
+
+Four things end a record: a request that ran (or whose deadline passed), a bad record,
+a record the Kafka client could not parse, and a repeated id answered from the store.
+Each is one method here, so counting, logging and storing answers happen in one place.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import structlog
+
+from schemas import DoneReply, ErrorCode, ErrorReply
+from worker import metrics
+
+log = structlog.get_logger("sluice.replies")
+
+
+class Replies:
+    def __init__(self, emitter, answers, default_topic: str, running):
+        self.emitter, self.answers, self.default_topic = emitter, answers, default_topic
+        self.running = running  # callable: keep retrying produces while true
+
+    async def finish(self, job, final) -> None:
+        """The final reply of a request that was admitted (or expired); stores it as the id's answer."""
+        cls = job.latency_class
+        payload = await self.emitter.final(job.reply_to, final, self.running)
+        outcome = final.code.value if isinstance(final, ErrorReply) else final.finish_reason
+        metrics.requests_completed.labels(cls, outcome).inc()
+        metrics.end_to_end.labels(cls).observe(max(0.0, time.time() - job.timestamp_ms / 1000))
+        self.answers.put_later(job.request.id, payload, had_progress=job.seq > 0)
+        log.info("request_answered", request_id=job.request.id, cls=cls, outcome=outcome, segments=job.segments)
+
+    async def expire(self, job) -> None:
+        await self.finish(job, ErrorReply(job.request.id, ErrorCode.DEADLINE_EXCEEDED,
+                                          f"deadline {job.request.deadline_ms} passed before the request ran"))
+
+    def decode_stored(self, payload: bytes):
+        """A stored answer, or None when it does not decode (then the request simply runs again)."""
+        try:
+            reply = self.emitter.codec.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError) as exc:
+            log.warning("stored_answer_unreadable", error=repr(exc)[:200])
+            metrics.intake_errors.labels("any", "stored_answer").inc()
+            return None
+        return reply if isinstance(reply, (DoneReply, ErrorReply)) else None
+
+    async def resend(self, job, reply) -> None:
+        """A repeat of an answered id: re-send the same final reply, run nothing."""
+        metrics.duplicates.labels(job.latency_class).inc()
+        await self.emitter.final(job.reply_to, reply, self.running)
+        log.info("duplicate_answered_from_store", request_id=job.request.id, cls=job.latency_class)
+
+    async def reject(self, cls: str, record, bad) -> None:
+        """A record that cannot be served: an `error` reply when it has a readable id, else a dead letter."""
+        if bad.id is not None:
+            await self.emitter.final(bad.reply_to or self.default_topic, ErrorReply(bad.id, bad.code, bad.message),
+                                     self.running)
+            route = "reply"
+        else:
+            await self.emitter.dead_letter(record, bad.code.value, bad.message, self.running)
+            route = "dlq"
+        metrics.bad_records.labels(bad.code.value, route).inc()
+        log.info("bad_record", code=bad.code.value, route=route, cls=cls, topic=record.topic,
+                 partition=record.partition, offset=record.offset, request_id=bad.id, reason=bad.message)
+
+    async def unreadable(self, cls: str, record) -> None:
+        """A record the Kafka client could not parse: its coordinates go to the DLQ (the bytes stay in the source)."""
+        message = f"the Kafka client could not parse this record: {record.error!r}"
+        await self.emitter.dead_letter(record, ErrorCode.INVALID_REQUEST.value, message, self.running)
+        metrics.bad_records.labels(ErrorCode.INVALID_REQUEST.value, "dlq").inc()
+        log.warning("unreadable_record", cls=cls, topic=record.topic, partition=record.partition,
+                    offset=record.offset, error=repr(record.error)[:300])

@@ -1,0 +1,118 @@
+"""Owns the worker's long-lived tasks and says whether the worker can do its job.
+
+Every long-lived task (each class's intake, dispatch, commits, the health monitor,
+the answer writer, the producer's sender) is spawned or watched here. A task that
+ends while the worker is not stopping is a failure: the worker turns not-ready at
+once, stops taking work, drains what it can within the grace period, and exits
+non-zero so that it is restarted. Health checks (engine health, a stalled engine,
+an intake loop that stopped polling, replies that cannot be produced) fail it the
+same way. A worker is healthy or gone, never half-alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from worker import metrics
+
+log = structlog.get_logger("sluice.supervisor")
+
+
+class Supervisor:
+    def __init__(self):
+        self._tasks: dict[asyncio.Task, str] = {}
+        self.stopping = False
+        self.failure: str | None = None
+        self.failed = asyncio.Event()
+
+    def spawn(self, name: str, coro) -> asyncio.Task:
+        return self.watch(name, asyncio.create_task(coro, name=f"sluice-{name}"))
+
+    def watch(self, name: str, task: asyncio.Task | None) -> asyncio.Task | None:
+        """Supervise a task created elsewhere (a client's background task)."""
+        if task is None:
+            return None
+        self._tasks[task] = name
+        task.add_done_callback(self._ended)
+        return task
+
+    def _ended(self, task: asyncio.Task) -> None:
+        name = self._tasks.pop(task, "?")
+        if self.stopping:
+            return
+        if task.cancelled():
+            self.fail(f"{name} was cancelled")
+        elif task.exception() is not None:
+            exc = task.exception()
+            log.error("task_failed", task=name, error=repr(exc), exc_info=exc)
+            self.fail(f"{name} failed: {exc!r}")
+        else:
+            self.fail(f"{name} ended")
+
+    def fail(self, reason: str) -> None:
+        """The worker can no longer do its job: not ready from now on; `failed` wakes the drain."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        metrics.worker_failures.labels(reason.split(" ", 1)[0]).inc()
+        log.error("worker_failed", reason=reason)
+        self.failed.set()
+
+    async def stop(self) -> None:
+        """Cancel and await every task spawned here (watched client tasks belong to their clients)."""
+        self.stopping = True
+        tasks = [t for t in self._tasks if not t.done()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Liveness:
+    """Time stamps the health monitor reads: engine progress and each intake loop's last poll."""
+
+    def __init__(self, classes):
+        now = time.monotonic()
+        self.engine_progress = now
+        self.polls = {cls: now for cls in classes}
+
+    def engine_moved(self) -> None:
+        self.engine_progress = time.monotonic()
+
+    def polled(self, cls: str) -> None:
+        self.polls[cls] = time.monotonic()
+
+
+async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emitter, *, stall_s: float,
+                  poll_stall_s: float, health_interval_s: float, outage_s: float, tick_s: float = 0.5) -> None:
+    """Fail the worker when the engine is dead or stalled, an intake loop stopped, or replies cannot go out.
+
+    `busy()` is true while requests wait for or hold an engine slot: only then does a
+    lack of engine progress mean a stall.
+    """
+    last_health = time.monotonic()
+    while supervisor.failure is None:
+        await asyncio.sleep(tick_s)
+        now = time.monotonic()
+        if busy():
+            if now - liveness.engine_progress > stall_s:
+                supervisor.fail(f"engine stalled: work waiting and no engine progress for "
+                                f"{now - liveness.engine_progress:.0f} s (SLUICE_ENGINE_STALL_S={stall_s:g})")
+        else:
+            liveness.engine_moved()  # idle is not stalled: the clock starts when work arrives
+        for cls, at in liveness.polls.items():
+            if now - at > poll_stall_s:
+                supervisor.fail(f"intake {cls} stopped polling {now - at:.0f} s ago "
+                                f"(SLUICE_INTAKE_STALL_S={poll_stall_s:g})")
+        if emitter.outage_for() > outage_s:
+            supervisor.fail(f"replies could not be produced for {emitter.outage_for():.0f} s "
+                            f"(SLUICE_REPLY_OUTAGE_S={outage_s:g})")
+        if now - last_health >= health_interval_s:
+            last_health = now
+            try:
+                await asyncio.wait_for(engine.check_health(), max(1.0, health_interval_s))
+            except Exception as exc:  # noqa: BLE001 - any failure of the check means the engine cannot serve
+                metrics.engine_up.set(0)
+                supervisor.fail(f"engine unhealthy: {exc!r}")
