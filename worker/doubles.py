@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import zlib
 from collections import defaultdict
 
 from aiokafka.errors import MessageSizeTooLargeError
@@ -28,7 +29,7 @@ class MemoryBroker:
 
     def append(self, topic: str, value, key=None, headers=(), partition: int | None = None) -> ConsumerRecord:
         if partition is None:
-            partition = (hash(key) % self.partitions) if key is not None else 0
+            partition = (zlib.crc32(key) % self.partitions) if key else 0
         tp = TopicPartition(topic, partition)
         log = self.logs[tp]
         rec = ConsumerRecord(topic, partition, len(log), int(time.time() * 1000), 0, key, value, None,

@@ -40,9 +40,11 @@ def engine_config(settings: Settings) -> EngineConfig:
     )
 
 
-async def run_worker(settings: Settings, catalog: Catalog) -> int:
-    from worker.engine import VllmEngine
+async def run_worker(settings: Settings, catalog: Catalog, engine=None, **clients) -> int:
+    """The worker process: ops server, engine, worker; returns the exit code (0 drained, 1 failed).
 
+    `engine` and `clients` (consumer, producer, answers) replace the real ones in tests.
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -57,10 +59,13 @@ async def run_worker(settings: Settings, catalog: Catalog) -> int:
 
     ops = OpsServer(settings.metrics_host, settings.metrics_port, status)
     await ops.start()
-    log.info("engine_loading", model=settings.model, device=settings.device)
-    engine = await asyncio.to_thread(VllmEngine, engine_config(settings))
     try:
-        worker = Worker(settings, catalog, engine)
+        if engine is None:
+            from worker.engine import VllmEngine
+
+            log.info("engine_loading", model=settings.model, device=settings.device)
+            engine = await asyncio.to_thread(VllmEngine, engine_config(settings))
+        worker = Worker(settings, catalog, engine, **clients)
         await worker.start()
         rc = await worker.run_until(stop)
         if rc:
@@ -70,4 +75,7 @@ async def run_worker(settings: Settings, catalog: Catalog) -> int:
         return 1
     finally:
         await ops.stop()
-        engine.shutdown()
+        if engine is not None:
+            engine.shutdown()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,120 @@
+"""10,000 generated records through intake: each ends as exactly one final reply or dead letter,
+every partition's watermark passes it, and the worker stays healthy."""
+
+import asyncio
+import threading
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.unit.harness import CATALOG, Memory, until
+from worker.worker import Worker
+
+CLASSES = ["realtime", "standard", "batch"]
+FIELDS = ["id", "tenant", "kind", "prompt", "messages", "event", "template", "labels", "max_tokens", "temperature",
+          "top_p", "seed", "stop", "stream", "deadline_ms", "reply_to", "z"]
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
+                    st.text(max_size=12), st.sampled_from(["generate", "score", "fraud", "sluice.replies", ""]))
+values = st.recursive(scalars, lambda kids: st.one_of(st.lists(kids, max_size=4),
+                                                       st.dictionaries(st.text(max_size=8), kids, max_size=4)),
+                      max_leaves=8)
+valid = st.fixed_dictionaries({"id": st.text(min_size=1, max_size=12), "prompt": st.text(min_size=1, max_size=30),
+                               "max_tokens": st.integers(1, 4)},
+                              optional={"stream": st.booleans(), "temperature": st.floats(0, 2),
+                                        "tenant": st.text(min_size=1, max_size=8)})
+requestish = st.dictionaries(st.sampled_from(FIELDS), values, max_size=6)
+bodies = st.one_of(valid, requestish, st.fixed_dictionaries({"id": st.text(max_size=12)}, optional={
+    "prompt": values, "max_tokens": values, "messages": values, "stop": values, "reply_to": values}))
+
+
+@st.composite
+def records(draw):
+    body = draw(bodies)
+    encoding = draw(st.sampled_from(["json", "json", "msgpack", "raw", "deep", "none"]))
+    headers = []
+    if encoding == "json":
+        value = msgspec.json.encode(body)
+    elif encoding == "msgpack":
+        try:
+            value = msgspec.msgpack.encode(body)
+            headers.append(("content-type", b"application/msgpack"))
+        except OverflowError:  # msgpack has no integers past 64 bits; JSON carries them
+            value = msgspec.json.encode(body)
+    elif encoding == "raw":
+        value = draw(st.binary(max_size=64))
+    elif encoding == "deep":
+        n = draw(st.integers(30, 3000))
+        value = b'{"id":"deep","z":' + b"[" * n + b"]" * draw(st.sampled_from([n, n - 1, 0])) + b"}"
+    else:
+        value = None
+    headers += draw(st.lists(st.tuples(st.sampled_from(["content-type", "x-a", "Content-Type"]),
+                                       st.one_of(st.none(), st.binary(max_size=24),
+                                                 st.just(b"application/msgpack"))), max_size=2))
+    key = draw(st.one_of(st.none(), st.binary(max_size=16), st.text(max_size=12).map(str.encode)))
+    return draw(st.sampled_from(CLASSES)), key, value, headers
+
+
+class _Running:
+    """One worker over the doubles, on a loop of its own thread, shared by every example:
+    hypothesis calls the test synchronously, and starting a worker per example would cost more
+    than the records. Intake windows are zero so that each example settles in milliseconds."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.mem = Memory(partitions=2)
+        catalog = CATALOG.__class__([msgspec.structs.replace(t, window_ms=0) for t in CATALOG.topic])
+        self.worker = Worker(self.mem.settings, catalog, self.mem.engine, **self.mem.clients())
+        self.scanned: dict = {}
+        self.finals = 0
+        self.call(self.worker.start())
+
+    def call(self, coro, timeout=60):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def ended(self) -> int:
+        """Records that ended so far: final replies on any topic, and dead letters (read incrementally)."""
+        for tp, log in list(self.mem.broker.logs.items()):
+            if tp.topic in REQUEST_TOPICS:
+                continue
+            seen = self.scanned.get(tp, 0)
+            for rec in log[seen:]:
+                self.finals += tp.topic == CATALOG.dlq.name or not rec.value.startswith(b'{"type":"token"')
+            self.scanned[tp] = len(log)
+        return self.finals
+
+    async def send(self, batch) -> None:
+        for cls, key, value, headers in batch:
+            self.mem.send(cls, value, key, headers)
+
+
+REQUEST_TOPICS = {t.name for t in CATALOG.requests}
+_worker: _Running | None = None
+
+
+@pytest.mark.slow
+@settings(max_examples=1000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(records(), min_size=10, max_size=10))
+def test_ten_thousand_generated_records_each_end_once(batch):
+    global _worker
+    if _worker is None:
+        _worker = _Running()
+    w = _worker
+    before = w.call(_count(w))
+    w.call(w.send(batch))
+    assert w.call(until(w.mem.all_committed, timeout=30)), w.mem.broker.committed
+    assert w.worker.ready and w.worker.supervisor.failure is None, w.worker.supervisor.failure
+    assert w.call(until(lambda: w.ended() == before + len(batch), timeout=5)), (w.ended() - before, batch)
+
+
+async def _count(w: _Running) -> int:
+    return w.ended()
+
+
+def teardown_module():
+    if _worker is not None:
+        _worker.call(_worker.worker.stop(grace_s=1))
+        _worker.loop.call_soon_threadsafe(_worker.loop.stop)

@@ -1,0 +1,174 @@
+"""Poison records through the whole worker (in-memory broker, fake engine): each one ends as an
+`error` reply or a dead letter, the valid requests around it are answered, the partition's
+watermark passes it, and the worker stays healthy."""
+
+import time
+
+import pytest
+
+from schemas import DoneReply, ErrorReply, dlq
+from tests.unit.harness import CATALOG, J, M, MSGPACK, Memory, running, until
+from worker.fake_engine import FakeEngine
+
+DEEP = b"[" * 5000 + b"]" * 5000
+LIMIT = 64 * 1024  # the harness's max_record_bytes
+
+# (name, key, value, headers, expected): expected is ("reply", code), ("dlq", code) or ("done", None)
+POISON = [
+    ("bad json, id from key", b"p01", b"{not json", [], ("reply", "invalid_request")),
+    ("garbage, nothing readable", None, b"\x00\xff garbage", [], ("dlq", "invalid_request")),
+    ("no id", None, J({"prompt": "no id"}), [], ("dlq", "invalid_request")),
+    ("wrong type", None, J({"id": "p04", "prompt": 5}), [], ("reply", "invalid_request")),
+    ("unknown kind", None, J({"id": "p05", "kind": "translate", "prompt": "x"}), [], ("reply", "invalid_request")),
+    ("no prompt", None, J({"id": "p06"}), [], ("reply", "invalid_request")),
+    ("max_tokens too big", None, J({"id": "p07", "prompt": "x", "max_tokens": 10**6}), [], ("reply", "invalid_request")),
+    ("too many stops", None, J({"id": "p08", "prompt": "x", "stop": ["a"] * 50}), [], ("reply", "invalid_request")),
+    ("oversized", None, J({"id": "p09", "prompt": "x" * (LIMIT + 10)}), [], ("reply", "payload_too_large")),
+    ("bad reply_to", None, J({"id": "p10", "prompt": "x", "reply_to": "bad topic!"}), [], ("dlq", "invalid_request")),
+    ("unknown content-type", None, J({"id": "p11", "prompt": "x"}), [("content-type", b"text/xml")],
+     ("reply", "invalid_request")),
+    ("invalid msgpack", None, b"\xc1", MSGPACK, ("dlq", "invalid_request")),
+    ("expired deadline", None, J({"id": "p13", "prompt": "x", "deadline_ms": 1}), [], ("reply", "deadline_exceeded")),
+    ("tombstone", b"p14", None, [], ("reply", "invalid_request")),
+    ("nested 5000 deep, id from key", b"p15", b'{"id":"p15","prompt":"x","z":' + DEEP + b"}", [],
+     ("reply", "invalid_request")),
+    ("nested 5000 deep, no key", None, b'{"id":"p16","prompt":"x","z":' + DEEP + b"}", [], ("dlq", "invalid_request")),
+    ("bare array 5000 deep", None, DEEP, [], ("dlq", "invalid_request")),
+    ("msgpack nested 5000 deep", b"p18", b"\x91" * 5000 + b"\x01", MSGPACK, ("reply", "invalid_request")),
+    ("header with null value", None, J({"id": "p19", "prompt": "x", "max_tokens": 2}), [("x-trace", None)],
+     ("done", None)),
+    ("content-type header with null value", None, J({"id": "p20", "prompt": "x", "max_tokens": 2}),
+     [("content-type", None)], ("done", None)),
+    ("1 MB content-type header", None, J({"id": "p21", "prompt": "x"}), [("content-type", b"x" * 100_000)],
+     ("reply", "invalid_request")),
+    ("near-limit record, big headers, no id", None, b"\x00" * (LIMIT - 10), [("h", b"y" * 60_000)],
+     ("dlq", "invalid_request")),
+    ("empty prompt", None, J({"id": "p23", "prompt": ""}), [], ("reply", "invalid_request")),
+    ("NaN temperature", None, M({"id": "p24", "prompt": "x", "temperature": float("nan")}), MSGPACK,
+     ("reply", "invalid_request")),
+    ("non-UTF-8 key, bad JSON", b"\xff\xfe", b"{", [], ("dlq", "invalid_request")),
+    ("id of 200 chars", None, J({"id": "i" * 200, "prompt": "x"}), [], ("dlq", "invalid_request")),
+    ("empty value", b"p27", b"", [], ("reply", "invalid_request")),
+    ("score, unknown template", None, J({"id": "p28", "kind": "score", "template": "nope", "event": {}}), [],
+     ("reply", "invalid_request")),
+    ("engine raises for this prompt", None, J({"id": "p29", "prompt": "BOOM"}), [], ("reply", "internal")),
+    ("error message from a huge path", None, J({"id": "p30", "prompt": "x", "event": {"k" * 30_000: [[[1]]]},
+                                                "max_tokens": "x"}), [], ("reply", "invalid_request")),
+]
+
+
+class BoomEngine(FakeEngine):
+    def prompt_ids(self, request):
+        if request.prompt == "BOOM":
+            raise RuntimeError("the tokenizer broke on this one")
+        return super().prompt_ids(request)
+
+
+def expected_id(key, value):
+    import msgspec
+
+    if key:
+        return key.decode()
+    try:
+        return msgspec.json.decode(value)["id"]
+    except msgspec.DecodeError:
+        return msgspec.msgpack.decode(value)["id"]
+
+
+@pytest.mark.parametrize("cls", ["realtime", "standard", "batch"])
+async def test_every_poison_kind_is_answered_and_never_blocks(cls):
+    mem = Memory(engine=BoomEngine())
+    for i, (_, key, value, headers, _) in enumerate(POISON):
+        mem.send(cls, value, key, headers)
+        mem.send(cls, J({"id": f"good-{i}", "prompt": f"count {i}", "max_tokens": 3}), f"good-{i}".encode())
+    async with running(mem) as w:
+        assert await until(mem.all_committed), mem.broker.committed
+        assert w.ready and w.supervisor.failure is None
+    finals = mem.finals()
+    for i in range(len(POISON)):
+        assert [type(f) for f in finals[f"good-{i}"]] == [DoneReply], finals[f"good-{i}"]
+    for name, key, value, _, (route, code) in POISON:
+        if route == "dlq":
+            continue
+        got = finals.get(expected_id(key, value))
+        assert got is not None and len(got) == 1, name
+        if route == "done":
+            assert isinstance(got[0], DoneReply), (name, got)
+        else:
+            assert isinstance(got[0], ErrorReply) and got[0].code.value == code, (name, got)
+            assert 0 < len(got[0].message) <= 512, name
+    dead = mem.dead_letters()
+    assert sorted(dlq.parse(r.headers)[dlq.ERROR_CODE] for r in dead) == \
+        sorted(code for *_, (route, code) in POISON if route == "dlq")
+    for r in dead:  # every copy fits the broker; a cut copy says so
+        size = len(r.value or b"") + len(r.key or b"") + sum(len(k) + len(v or b"") for k, v in r.headers)
+        assert size <= mem.settings.max_produce_bytes
+        if len(r.value or b"") < LIMIT - 10 and (r.value or b"").startswith(b"\x00" * 100):
+            assert dlq.TRUNCATED in dict(r.headers)
+
+
+async def test_a_record_the_client_cannot_parse_is_dead_lettered_with_its_coordinates():
+    mem = Memory(partitions=1)
+    topic = CATALOG.request_topic("realtime").name
+    for i in range(5):
+        mem.send("realtime", J({"id": f"r{i}", "prompt": "x", "max_tokens": 2}), f"r{i}".encode())
+    mem.consumer.unreadable.add((next(tp for tp in mem.broker.logs if tp.topic == topic), 2))
+    async with running(mem) as w:
+        assert await until(mem.all_committed)
+        assert w.ready
+    assert sorted(mem.finals()) == ["r0", "r1", "r3", "r4"]
+    assert mem.dead_letter_sources() == {(topic, 0, 2)}
+    (letter,) = mem.dead_letters()
+    assert "could not parse" in dlq.parse(letter.headers)[dlq.ERROR_MESSAGE]
+
+
+async def test_an_unexpected_error_reading_one_record_is_answered_internal():
+    mem = Memory(partitions=1)
+    mem.send("standard", J({"id": "x1", "prompt": "explode"}), b"x1")
+    mem.send("standard", J({"id": "x2", "prompt": "fine", "max_tokens": 2}), b"x2")
+    async with running(mem) as w:
+        real = w.intake.codec.decode
+
+        def decode(value, headers=(), key=None):
+            if b"explode" in (value or b""):
+                raise KeyError("a bug in decoding")
+            return real(value, headers, key)
+
+        w.intake.codec.decode = decode
+        assert await until(mem.all_committed)
+        assert w.ready
+    finals = mem.finals()
+    assert finals["x1"][0].code.value == "internal" and "KeyError" in finals["x1"][0].message
+    assert isinstance(finals["x2"][0], DoneReply)
+
+
+async def test_a_stored_answer_that_does_not_decode_runs_the_request_again():
+    mem = Memory(partitions=1)
+    mem.answers.answers["s1"] = b"\x00 not a reply"
+    mem.send("standard", J({"id": "s1", "prompt": "x", "max_tokens": 2}), b"s1")
+    async with running(mem):
+        assert await until(mem.all_committed)
+    assert isinstance(mem.finals()["s1"][0], DoneReply)
+
+
+async def test_a_reply_the_broker_refuses_becomes_an_internal_error_not_a_dead_worker():
+    mem = Memory(partitions=1)
+    mem.broker.max_record_bytes = 4096
+    mem.send("standard", J({"id": "big", "prompt": "x", "max_tokens": 900, "stream": False}), b"big")
+    mem.send("standard", J({"id": "small", "prompt": "x", "max_tokens": 2}), b"small")
+    async with running(mem) as w:
+        assert await until(mem.all_committed)
+        assert w.ready
+    finals = mem.finals()
+    assert finals["big"][0].code.value == "internal" and "could not be produced" in finals["big"][0].message
+    assert isinstance(finals["small"][0], DoneReply)
+
+
+async def test_intake_isolation_is_cheap_for_hostile_depth():
+    mem = Memory()
+    codec = mem.worker().intake.codec
+    start = time.perf_counter()
+    for _ in range(20):
+        with pytest.raises(Exception):
+            codec.decode(b"[" * (LIMIT - 1))
+    assert time.perf_counter() - start < 5  # a bound that only catches a quadratic scan, not a timing test
