@@ -122,7 +122,8 @@ class AnswerStore:
             client = RedisCluster.from_url(
                 self.seeds.url, startup_nodes=self.seeds.startup_nodes(ClusterNode),
                 socket_timeout=self.timeout, socket_connect_timeout=self.timeout, cluster_error_retry_attempts=1)
-            await asyncio.wait_for(client.initialize(), self.timeout * 4)
+            async with asyncio.timeout(self.timeout * 4):  # not wait_for: 3.11's can swallow a cancellation
+                await client.initialize()
             self.seeds.remember(client.get_nodes())
             self._client = client
             self._mark(True)
@@ -150,7 +151,8 @@ class AnswerStore:
         if self._client is None and not await self._connect():
             return None
         try:
-            result = await asyncio.wait_for(fn(self._client), self.timeout * 4)
+            async with asyncio.timeout(self.timeout * 4):
+                result = await fn(self._client)
             self._mark(True)
             return result
         except Exception as exc:  # noqa: BLE001 - any client failure (redis-py raises more than RedisError mid-failover) degrades

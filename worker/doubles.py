@@ -12,6 +12,7 @@ import asyncio
 import time
 import zlib
 from collections import defaultdict
+from types import SimpleNamespace
 
 from aiokafka.errors import MessageSizeTooLargeError
 from aiokafka.structs import ConsumerRecord, TopicPartition
@@ -123,10 +124,12 @@ class MemoryConsumer:
             if got or time.monotonic() >= end:
                 return got
             self.broker.appended.clear()
+            # asyncio.wait, not wait_for: Python 3.11's wait_for can swallow a cancellation
+            waiter = asyncio.ensure_future(self.broker.appended.wait())
             try:
-                await asyncio.wait_for(self.broker.appended.wait(), max(0.001, end - time.monotonic()))
-            except asyncio.TimeoutError:
-                pass
+                await asyncio.wait({waiter}, timeout=max(0.001, end - time.monotonic()))
+            finally:
+                waiter.cancel()
 
     async def commit(self, offsets: dict) -> None:
         if self.commit_error is not None:
@@ -140,12 +143,26 @@ class MemoryProducer:
     def __init__(self, broker: MemoryBroker, fail=None):
         self.broker = broker
         self.fail = fail or (lambda topic, value: None)
+        self._sender = None
+        self._crash = asyncio.Event()
+        self.crash_with: BaseException | None = None
 
     async def start(self) -> None:
-        return None
+        # Like aiokafka's producer, a background sender task that the worker's supervisor watches.
+        self._sender = SimpleNamespace(sender_task=asyncio.create_task(self._sender_routine()))
+
+    async def _sender_routine(self) -> None:
+        await self._crash.wait()
+        raise self.crash_with or RuntimeError("sender crashed")
+
+    def crash(self, exc: BaseException) -> None:
+        self.crash_with = exc
+        self._crash.set()
 
     async def stop(self) -> None:
-        return None
+        if self._sender is not None and not self._sender.sender_task.done():
+            self._sender.sender_task.cancel()
+            await asyncio.gather(self._sender.sender_task, return_exceptions=True)
 
     def _append(self, topic, value, key, headers):
         exc = self.fail(topic, value)

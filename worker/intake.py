@@ -44,18 +44,19 @@ class Unreadable:
 
 class Intake:
     def __init__(self, consumer, codec: RequestCodec, tracker, dispatcher, replies, answers, liveness,
-                 default_reply_topic: str, poll_ms: int):
+                 default_reply_topic: str, poll_ms: int, stopping=lambda: False):
         self.consumer, self.codec, self.tracker = consumer, codec, tracker
         self.dispatcher, self.replies, self.answers, self.liveness = dispatcher, replies, answers, liveness
         self.default_reply_topic = default_reply_topic
         self.poll_ms = poll_ms
+        self.stopping = stopping  # belt and braces beside cancellation
         self.paused: dict[str, bool] = {}
 
     async def run(self, topic: Topic, policy) -> None:
-        """The loop of one class; it returns only when cancelled (an exception here is a worker failure)."""
+        """The loop of one class; it ends only when the worker stops (an exception here is a worker failure)."""
         cls = topic.latency_class
         self.paused.setdefault(cls, False)
-        while True:
+        while not self.stopping():
             tps = [tp for tp in self.consumer.assignment() if tp.topic == topic.name]
             if not tps or not self._backpressure(cls, tps) or self.dispatcher.rejects >= MAX_REJECTS_IN_FLIGHT:
                 self.liveness.polled(cls)

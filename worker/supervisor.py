@@ -24,11 +24,13 @@ log = structlog.get_logger("sluice.supervisor")
 class Supervisor:
     def __init__(self):
         self._tasks: dict[asyncio.Task, str] = {}
+        self._spawned: set[str] = set()
         self.stopping = False
         self.failure: str | None = None
         self.failed = asyncio.Event()
 
     def spawn(self, name: str, coro) -> asyncio.Task:
+        self._spawned.add(name)
         return self.watch(name, asyncio.create_task(coro, name=f"sluice-{name}"))
 
     def watch(self, name: str, task: asyncio.Task | None) -> asyncio.Task | None:
@@ -61,13 +63,20 @@ class Supervisor:
         log.error("worker_failed", reason=reason)
         self.failed.set()
 
-    async def stop(self) -> None:
-        """Cancel and await every task spawned here (watched client tasks belong to their clients)."""
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Cancel and await every task spawned here (watched client tasks belong to their clients).
+
+        A task that swallows its cancellation (Python 3.11's `wait_for` can) must not hold
+        the shutdown: after `timeout_s` it is named in the log and left behind.
+        """
         self.stopping = True
-        tasks = [t for t in self._tasks if not t.done()]
+        tasks = [t for t, name in self._tasks.items() if not t.done() and name in self._spawned]
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=timeout_s)
+            for t in stuck:
+                log.error("task_ignored_cancel", task=self._tasks.get(t, t.get_name()))
 
 
 class Liveness:
@@ -112,7 +121,8 @@ async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emit
         if now - last_health >= health_interval_s:
             last_health = now
             try:
-                await asyncio.wait_for(engine.check_health(), max(1.0, health_interval_s))
+                async with asyncio.timeout(max(1.0, health_interval_s)):
+                    await engine.check_health()
             except Exception as exc:  # noqa: BLE001 - any failure of the check means the engine cannot serve
                 metrics.engine_up.set(0)
                 supervisor.fail(f"engine unhealthy: {exc!r}")

@@ -101,7 +101,8 @@ class Worker:
                              on_progress=self.liveness.engine_moved)
         self.dispatch.runner, self.dispatch.replies = self.runner, self.replies
         self.intake = Intake(self.consumer, RequestCodec(settings.limits()), self.tracker, self.dispatch, self.replies,
-                             self.answers, self.liveness, catalog.replies.name, settings.kafka_fetch_max_wait_ms)
+                             self.answers, self.liveness, catalog.replies.name, settings.kafka_fetch_max_wait_ms,
+                             stopping=lambda: self.supervisor.stopping)
         self.commits = Commits(self.consumer, self.tracker, settings.commit_interval_ms / 1000)
         self._started = False
 

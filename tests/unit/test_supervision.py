@@ -1,0 +1,234 @@
+"""Failing closed: each supervised task, and each health check, fails the worker visibly.
+
+The worker runs as `sluice worker` does (`service.run_worker`: ops server, worker, exit code) over
+the in-memory doubles and the fake engine. For each injected failure: `/readyz` turns 503 within
+seconds, with the reason, and `run_worker` returns 1 (the process's exit code) within seconds.
+"""
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+from aiokafka.errors import KafkaConnectionError
+
+from tests.unit.harness import CATALOG, J, Memory
+from worker import service
+from worker.fake_engine import FakeEngine
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def http_get(port: int, path: str) -> tuple[int | None, str]:
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return None, ""
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    data = await reader.read()
+    writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body.decode()
+
+
+class Run:
+    """`run_worker` as a task, with the worker it built and the times things happened."""
+
+    def __init__(self, monkeypatch, mem: Memory):
+        self.mem, self.worker = mem, None
+        self.port = free_port()
+        self.mem.settings = __import__("msgspec").structs.replace(mem.settings, metrics_port=self.port,
+                                                                  metrics_host="127.0.0.1")
+        outer = self
+
+        class Captured(service.Worker):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, **kw)
+                outer.worker = self
+
+        monkeypatch.setattr(service, "Worker", Captured)
+        self.task = asyncio.create_task(service.run_worker(mem.settings, CATALOG, mem.engine, **mem.clients()))
+
+    async def ready(self) -> None:
+        end = time.monotonic() + 10
+        while (await http_get(self.port, "/readyz"))[0] != 200:
+            assert time.monotonic() < end and not self.task.done(), "never ready"
+            await asyncio.sleep(0.02)
+
+    async def fails_closed(self, since: float, reason: str) -> None:
+        """/readyz says 503 with `reason` within 5 s of `since`; the exit code is 1 within 10 s."""
+        saw_503 = None
+        while not self.task.done():
+            status, body = await http_get(self.port, "/readyz")
+            if status == 503 and saw_503 is None:
+                saw_503 = (time.monotonic() - since, body)
+            if time.monotonic() - since > 10:
+                import sys
+                for t in asyncio.all_tasks():
+                    t.print_stack(limit=3, file=sys.stdout)
+            assert time.monotonic() - since < 10, f"still running; /readyz {status} {body}"
+            await asyncio.sleep(0.02)
+        assert self.task.result() == 1
+        assert time.monotonic() - since < 10
+        assert saw_503 is not None, "never saw /readyz 503 before the exit"
+        assert saw_503[0] < 5, saw_503
+        assert reason in saw_503[1], saw_503[1]
+        assert reason in (self.worker.supervisor.failure or "")
+
+
+def busy(mem: Memory) -> None:
+    """A request that takes a couple of seconds, so the drain (and the 503) lasts that long."""
+    mem.send("standard", J({"id": "slow", "prompt": "x", "max_tokens": 40}), b"slow")
+
+
+def slow_engine() -> FakeEngine:
+    return FakeEngine(token_delay_s=0.05)
+
+
+async def test_intake_loop_failure(monkeypatch):
+    mem = Memory(engine=slow_engine(), drain_grace_s=1)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    busy(mem)
+    await asyncio.sleep(0.3)
+    mem.consumer.fail_next = RuntimeError("client bug")
+    await run.fails_closed(time.monotonic(), "intake-")
+
+
+async def test_dispatch_failure(monkeypatch):
+    mem = Memory(engine=slow_engine(), drain_grace_s=1)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    busy(mem)
+    await asyncio.sleep(0.3)
+
+    def broken(now_ms):
+        raise ZeroDivisionError("admission bug")
+
+    run.worker.scheduler.admit = broken
+    mem.send("realtime", J({"id": "next", "prompt": "x"}), b"next")
+    await run.fails_closed(time.monotonic(), "dispatch failed")
+
+
+async def test_commit_loop_failure(monkeypatch):
+    mem = Memory(engine=slow_engine(), drain_grace_s=1)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    busy(mem)
+    await asyncio.sleep(0.3)
+    mem.consumer.commit_error = RuntimeError("coordinator bug")
+    mem.send("realtime", J({"id": "quick", "prompt": "x", "max_tokens": 1}), b"quick")
+    await run.fails_closed(time.monotonic(), "commits failed")
+
+
+async def test_answer_writer_failure(monkeypatch):
+    mem = Memory(engine=slow_engine(), drain_grace_s=1)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    busy(mem)
+    mem.answers.fail_writer = RuntimeError("writer bug")
+    mem.send("realtime", J({"id": "quick", "prompt": "x", "max_tokens": 1}), b"quick")
+    await run.fails_closed(time.monotonic(), "answer-writer failed")
+
+
+async def test_producer_sender_failure(monkeypatch):
+    mem = Memory(engine=slow_engine(), drain_grace_s=1)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    busy(mem)
+    await asyncio.sleep(0.3)
+    mem.producer.crash(RuntimeError("sender died"))
+    await run.fails_closed(time.monotonic(), "producer failed")
+
+
+async def test_replies_that_cannot_be_produced_past_the_bound(monkeypatch):
+    mem = Memory(engine=FakeEngine(), reply_outage_s=1.0, drain_grace_s=1)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    mem.producer.fail = lambda topic, value: KafkaConnectionError("broker gone")
+    since = time.monotonic()
+    mem.send("realtime", J({"id": "r1", "prompt": "x", "max_tokens": 1, "stream": False}), b"r1")
+    await run.fails_closed(since, "be produced")
+    assert mem.broker.committed.get(next(tp for tp in mem.broker.logs if tp.topic.endswith("realtime")), 0) == 0
+
+
+async def test_a_short_broker_outage_is_ridden_out(monkeypatch):
+    mem = Memory(engine=FakeEngine(), reply_outage_s=5.0)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    mem.producer.fail = lambda topic, value: KafkaConnectionError("broker gone")
+    mem.send("realtime", J({"id": "r2", "prompt": "x", "max_tokens": 1, "stream": False}), b"r2")
+    await asyncio.sleep(1.0)
+    assert not mem.finals() and not any(mem.broker.committed.values())  # nothing answered, nothing committed
+    mem.producer.fail = lambda topic, value: None
+    for _ in range(200):
+        if mem.finals() and mem.all_committed():
+            break
+        await asyncio.sleep(0.02)
+    assert "r2" in mem.finals() and mem.all_committed()
+    assert (await http_get(run.port, "/readyz"))[0] == 200 and not run.task.done()
+    os.kill(os.getpid(), signal.SIGTERM)  # a clean drain exits 0
+    assert await asyncio.wait_for(run.task, 10) == 0
+
+
+async def test_engine_health_check_failure(monkeypatch):
+    class Dying(FakeEngine):
+        healthy = True
+
+        async def check_health(self):
+            if not self.healthy:
+                raise RuntimeError("EngineCore died")
+
+    mem = Memory(engine=Dying(token_delay_s=0.05), drain_grace_s=1)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    busy(mem)
+    mem.engine.healthy = False
+    await run.fails_closed(time.monotonic(), "engine unhealthy")
+
+
+async def test_stalled_engine(monkeypatch):
+    mem = Memory(engine=FakeEngine(token_delay_s=3600), engine_stall_s=1.0, drain_grace_s=1)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    await asyncio.sleep(1.5)  # idle longer than the stall bound: idle is not a stall
+    assert (await http_get(run.port, "/readyz"))[0] == 200
+    since = time.monotonic()
+    busy(mem)
+    await run.fails_closed(since, "engine stalled")
+
+
+async def test_intake_that_stops_polling(monkeypatch):
+    mem = Memory(engine=slow_engine(), intake_stall_s=1.0, drain_grace_s=1)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    busy(mem)
+    await asyncio.sleep(0.3)
+
+    async def hang(*tps, timeout_ms=0, max_records=None):
+        await asyncio.Event().wait()
+
+    mem.consumer.getmany = hang
+    await run.fails_closed(time.monotonic(), "stopped polling")
+
+
+@pytest.mark.parametrize("stage", ["intake", "dispatch", "commits", "monitor"])
+async def test_a_clean_stop_is_not_a_failure(monkeypatch, stage):
+    mem = Memory(engine=FakeEngine())
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    mem.send("realtime", J({"id": "c1", "prompt": "x", "max_tokens": 2}), b"c1")
+    for _ in range(200):
+        if mem.all_committed() and mem.finals():
+            break
+        await asyncio.sleep(0.02)
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert await asyncio.wait_for(run.task, 10) == 0
+    assert run.worker.supervisor.failure is None
