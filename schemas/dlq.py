@@ -39,6 +39,8 @@ def fit(key: bytes | None, value: bytes | None, original_headers, dlq_headers: l
     otherwise they are dropped, then the key and value are cut, and `x-sluice-truncated`
     gives the original sizes so an operator knows to read the source record itself.
     """
+    if key is None and value is None:
+        value = b""  # a record needs a key or a value (a keyless tombstone, or one that could not be read)
     kept = [(k if isinstance(k, str) else bytes(k).decode("latin-1"), v) for k, v in original_headers or ()]
     hdrs = kept + dlq_headers
     if _size(key, value, hdrs) <= max_bytes:

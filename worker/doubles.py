@@ -96,6 +96,13 @@ class MemoryConsumer:
     def seek(self, tp, offset: int) -> None:
         self._position[tp] = offset
 
+    async def seek_to_beginning(self, *tps) -> None:
+        for tp in tps:
+            self._position[tp] = 0
+
+    async def committed(self, tp) -> int | None:
+        return self.broker.committed.get(tp)
+
     async def getmany(self, *tps, timeout_ms: int = 0, max_records: int | None = None) -> dict:
         self.polls += 1
         if self.fail_next is not None:
@@ -111,8 +118,11 @@ class MemoryConsumer:
                 take = []
                 for rec in log[pos: pos + budget]:
                     if (tp, rec.offset) in self.unreadable:
-                        if take:
-                            break  # hand out what came before it; raise on the next read
+                        # As aiokafka does: the fetch raises, and what it read before the bad record
+                        # (of this partition and of those before it) is dropped, positions moved past it.
+                        for done_tp, recs in got.items():
+                            self._position[done_tp] = recs[-1].offset + 1
+                        self._position[tp] = rec.offset
                         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
                     take.append(rec)
                 if take:
@@ -165,6 +175,7 @@ class MemoryProducer:
             await asyncio.gather(self._sender.sender_task, return_exceptions=True)
 
     def _append(self, topic, value, key, headers):
+        assert key is not None or value is not None, "Need at least one: key or value"  # as aiokafka
         exc = self.fail(topic, value)
         if exc is not None:
             raise exc

@@ -97,16 +97,19 @@ class Intake:
         one record at a time, and turn each one that cannot be parsed into an `Unreadable`.
 
         The failed fetch may have moved positions past records it never handed out, so the
-        rewind point is what the tracker (or the group's committed offset) says, not the position.
+        rewind point is the first offset not yet taken: the tracker knows it for a partition this
+        worker has read since it was assigned; otherwise nothing was taken since the assignment,
+        so it is the group's committed offset, or the beginning (`auto_offset_reset="earliest"`).
         """
         log.warning("unparseable_record_in_fetch", error=repr(first)[:300])
         for tp in tps:
             start = self.tracker.next_offset(tp)
             if start is None:
-                start = await self.consumer.committed(tp) if hasattr(self.consumer, "committed") else None
+                start = await self.consumer.committed(tp)
             if start is None:
-                start = await self.consumer.position(tp)
-            self.consumer.seek(tp, start)
+                await self.consumer.seek_to_beginning(tp)
+            else:
+                self.consumer.seek(tp, start)
             for _ in range(room):
                 try:
                     recs = await self.consumer.getmany(tp, timeout_ms=self.poll_ms, max_records=1)

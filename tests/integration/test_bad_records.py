@@ -1,10 +1,16 @@
-"""Malformed records get an error reply or a dead letter; valid ones around them complete."""
+"""Malformed and hostile records, interleaved with valid ones on every class, against the real broker,
+Redis Cluster and vLLM: each bad one gets an error reply or a dead letter, every valid request is
+answered, the whole partition range is committed, and the worker stays ready."""
 
 import asyncio
+import os
+import subprocess
+import sys
+import textwrap
 
 import msgspec
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from loadgen.burst import ReplyReader, produce
 from schemas import DoneReply, ErrorReply, dlq
@@ -12,32 +18,73 @@ from tests.integration.helpers import committed_offsets, running_worker
 
 pytestmark = pytest.mark.integration
 J = msgspec.json.encode
-
-# (key, value, headers, expected: ("reply", code) or ("dlq", code))
-BAD = [
-    (b"b01", b"{not json", [], ("reply", "invalid_request")),         # id from the key
-    (None, b"\x00\xff garbage", [], ("dlq", "invalid_request")),       # nothing readable
-    (None, J({"prompt": "no id"}), [], ("dlq", "invalid_request")),
-    (None, J({"id": "b04", "prompt": 5}), [], ("reply", "invalid_request")),
-    (None, J({"id": "b05", "kind": "translate", "prompt": "x"}), [], ("reply", "invalid_request")),
-    (None, J({"id": "b06"}), [], ("reply", "invalid_request")),
-    (None, J({"id": "b07", "prompt": "x", "max_tokens": 100000}), [], ("reply", "invalid_request")),
-    (None, J({"id": "b08", "prompt": "x", "stop": ["a"] * 50}), [], ("reply", "invalid_request")),
-    (None, J({"id": "b09", "prompt": "x" * (1100 * 1024)}), [], ("reply", "payload_too_large")),
-    (None, J({"id": "b10", "prompt": "x", "reply_to": "bad topic!"}), [], ("dlq", "invalid_request")),
-    (None, J({"id": "b11", "prompt": "x"}), [("content-type", b"text/xml")], ("reply", "invalid_request")),
-    (None, b"\xc1", [("content-type", b"application/msgpack")], ("dlq", "invalid_request")),
-    (None, J({"id": "b13", "prompt": "x", "deadline_ms": 1}), [], ("reply", "deadline_exceeded")),
-    (None, J({"id": "b14", "prompt": "word " * 3000}), [], ("reply", "payload_too_large")),  # > model context
-    (b"b15", None, [], ("reply", "invalid_request")),                  # tombstone
-]
+MSGPACK = [("content-type", b"application/msgpack")]
+DEEP = b"[" * 5000 + b"]" * 5000
+CLASSES = ("realtime", "standard", "batch")
 
 
-async def _read_dlq(bootstrap, topic, n, timeout=60):
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False)
+def bad_records(c: str) -> list:
+    """(key, value, headers, expected) with ids unique to class prefix `c`; expected is
+    ("reply", code), ("dlq", code) or ("done", None)."""
+    return [
+        (f"{c}01".encode(), b"{not json", [], ("reply", "invalid_request")),     # id from the key
+        (None, b"\x00\xff garbage", [], ("dlq", "invalid_request")),              # nothing readable
+        (None, J({"prompt": "no id"}), [], ("dlq", "invalid_request")),
+        (None, J({"id": f"{c}04", "prompt": 5}), [], ("reply", "invalid_request")),
+        (None, J({"id": f"{c}05", "kind": "translate", "prompt": "x"}), [], ("reply", "invalid_request")),
+        (None, J({"id": f"{c}06"}), [], ("reply", "invalid_request")),
+        (None, J({"id": f"{c}07", "prompt": "x", "max_tokens": 100000}), [], ("reply", "invalid_request")),
+        (None, J({"id": f"{c}08", "prompt": "x", "stop": ["a"] * 50}), [], ("reply", "invalid_request")),
+        (None, J({"id": f"{c}09", "prompt": "x" * (1100 * 1024)}), [], ("reply", "payload_too_large")),
+        (None, J({"id": f"{c}10", "prompt": "x", "reply_to": "bad topic!"}), [], ("dlq", "invalid_request")),
+        (None, J({"id": f"{c}11", "prompt": "x"}), [("content-type", b"text/xml")], ("reply", "invalid_request")),
+        (None, b"\xc1", MSGPACK, ("dlq", "invalid_request")),
+        (None, J({"id": f"{c}13", "prompt": "x", "deadline_ms": 1}), [], ("reply", "deadline_exceeded")),
+        (None, J({"id": f"{c}14", "prompt": "word " * 3000}), [], ("reply", "payload_too_large")),  # > context
+        (f"{c}15".encode(), None, [], ("reply", "invalid_request")),             # tombstone
+        (f"{c}16".encode(), b'{"id":"x","prompt":"x","z":' + DEEP + b"}", [], ("reply", "invalid_request")),
+        (None, b'{"id":"x","prompt":"x","z":' + DEEP + b"}", [], ("dlq", "invalid_request")),
+        (f"{c}18".encode(), b"\x91" * 5000 + b"\x01", MSGPACK, ("reply", "invalid_request")),
+        (None, J({"id": f"{c}19", "prompt": "Hi", "max_tokens": 2}), [("x-trace", None)], ("done", None)),
+        (None, J({"id": f"{c}20", "prompt": "Hi", "max_tokens": 2}), [("content-type", None)], ("done", None)),
+        (None, J({"id": f"{c}21", "prompt": "x"}), [("content-type", b"x" * (1 << 20))], ("reply", "invalid_request")),
+        (None, b"\x00" * ((1 << 20) - 64), [("h", b"y" * 600_000)], ("dlq", "invalid_request")),  # cut to fit
+        (None, J({"id": f"{c}23", "prompt": ""}), [], ("reply", "invalid_request")),
+        (None, msgspec.msgpack.encode({"id": f"{c}24", "prompt": "x", "temperature": float("nan")}), MSGPACK,
+         ("reply", "invalid_request")),
+        (b"\xff\xfe", b"{", [], ("dlq", "invalid_request")),
+    ]
+
+
+HOSTILE_PRODUCER = textwrap.dedent("""
+    # A plain Kafka client writing a header key that is not UTF-8 (the pure-Python record builder
+    # lets it through); aiokafka's own reader cannot parse such a record.
+    import asyncio, sys
+    from aiokafka import AIOKafkaProducer
+
+    class NotUtf8(str):
+        def encode(self, *a, **k):
+            return b"\\xff\\xfe-key"
+
+    async def main(bootstrap, topics):
+        p = AIOKafkaProducer(bootstrap_servers=bootstrap)
+        await p.start()
+        for t in topics.split(","):
+            await p.send_and_wait(t, b'{"id":"h","prompt":"x"}', partition=0, headers=[(NotUtf8("k"), b"v")])
+        await p.stop()
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+""")
+
+
+async def _read_all(bootstrap, topic, n, timeout=60):
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False,
+                                max_partition_fetch_bytes=8 << 20)
     await consumer.start()
-    consumer.assign([TopicPartition(topic, 0)])
-    await consumer.seek_to_beginning()
+    parts = consumer.partitions_for_topic(topic) or {0}
+    tps = [TopicPartition(topic, p) for p in parts]
+    consumer.assign(tps)
+    await consumer.seek_to_beginning(*tps)
     out = []
     try:
         end = asyncio.get_running_loop().time() + timeout
@@ -49,52 +96,84 @@ async def _read_dlq(bootstrap, topic, n, timeout=60):
     return out
 
 
+def expected_id(key, value):
+    if key:
+        return key.decode()
+    try:
+        return msgspec.json.decode(value)["id"]
+    except msgspec.DecodeError:
+        return msgspec.msgpack.decode(value)["id"]
+
+
 async def test_malformed_records_never_block(settings, catalog, engine, group_id):
-    topic = catalog.request_topic("standard").name
-    items = []
-    for i, (key, value, headers, _) in enumerate(BAD):
-        items.append((topic, key, value, headers))
-        good = {"id": f"good-{i}", "prompt": f"Count to {i}:", "max_tokens": 4}
-        if i % 2:  # every other valid request is msgpack
-            items.append((topic, f"good-{i}".encode(), msgspec.msgpack.encode(good),
-                          [("content-type", b"application/msgpack")]))
-        else:
-            items.append((topic, f"good-{i}".encode(), J(good), []))
+    items, bad, goods = [], [], []
+    for cls in CLASSES:
+        topic = catalog.request_topic(cls).name
+        for i, (key, value, headers, expect) in enumerate(bad_records(cls[0])):
+            items.append((topic, key, value, headers))
+            bad.append((cls, key, value, expect))
+            gid = f"good-{cls}-{i}"
+            goods.append(gid)
+            body = {"id": gid, "prompt": f"Count to {i}:", "max_tokens": 3}
+            if i % 2:  # every other valid request is msgpack
+                items.append((topic, gid.encode(), msgspec.msgpack.encode(body), MSGPACK))
+            else:
+                items.append((topic, gid.encode(), J(body), []))
+    partitions = {cls: catalog.request_topic(cls).partitions for cls in CLASSES}
     reader = ReplyReader(settings.kafka_bootstrap, catalog.replies.name)
     await reader.start()
     finals = {}
     try:
-        async with running_worker(settings, catalog, engine, group_id=group_id):
+        async with running_worker(settings, catalog, engine, group_id=group_id, max_produce_bytes=1_000_000) as w:
             await produce(settings.kafka_bootstrap, items)
-            expected_replies = len(BAD) + sum(1 for b in BAD if b[3][0] == "reply")
-            end = asyncio.get_running_loop().time() + 180
-            while len(finals) < expected_replies and asyncio.get_running_loop().time() < end:
+            subprocess.run([sys.executable, "-c", HOSTILE_PRODUCER, settings.kafka_bootstrap,
+                            ",".join(catalog.request_topic(c).name for c in CLASSES)],
+                           env={**os.environ, "AIOKAFKA_NO_EXTENSIONS": "1"}, check=True, timeout=60)
+            # valid requests after the unparseable record, on every partition of every class
+            producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
+            await producer.start()
+            for cls in CLASSES:
+                for p in range(partitions[cls]):
+                    gid = f"after-{cls}-{p}"
+                    goods.append(gid)
+                    await producer.send_and_wait(catalog.request_topic(cls).name, J(
+                        {"id": gid, "prompt": "Say hi", "max_tokens": 2}), key=gid.encode(), partition=p)
+            await producer.stop()
+            expected = len(goods) + sum(1 for b in bad if b[3][0] in ("reply", "done"))
+            end = asyncio.get_running_loop().time() + 300
+            while len(finals) < expected and asyncio.get_running_loop().time() < end:
                 async for r in reader.records():
                     if not isinstance(r, (DoneReply, ErrorReply)):
                         continue
                     assert r.id not in finals, f"second final for {r.id}"
                     finals[r.id] = r
             await asyncio.sleep(1.5)  # a commit interval
-        dead = await _read_dlq(settings.kafka_bootstrap, catalog.dlq.name, sum(b[3][0] == "dlq" for b in BAD))
-        committed = await committed_offsets(settings, group_id, {topic})
+            still_ready = w.ready and w.supervisor.failure is None
+        n_dlq = sum(b[3][0] == "dlq" for b in bad) + len(CLASSES)
+        dead = await _read_all(settings.kafka_bootstrap, catalog.dlq.name, n_dlq)
+        committed = await committed_offsets(settings, group_id, {catalog.request_topic(c).name for c in CLASSES})
     finally:
         await reader.stop()
 
-    for i in range(len(BAD)):
-        assert isinstance(finals.get(f"good-{i}"), DoneReply), f"good-{i}: {finals.get(f'good-{i}')}"
-    for i, (key, value, headers, (route, code)) in enumerate(BAD):
-        if route == "reply":
-            rid = key.decode() if key else msgspec.json.decode(value)["id"]
-            reply = finals.get(rid)
-            assert isinstance(reply, ErrorReply), (i, rid, reply)
-            assert reply.code.value == code, (rid, reply)
-            assert reply.message
-    dlq_codes = sorted(dlq.parse(r.headers)[dlq.ERROR_CODE] for r in dead)
-    assert dlq_codes == sorted(code for *_, (route, code) in BAD if route == "dlq")
-    originals = {bytes(value) for _, value, _, (route, _) in BAD if route == "dlq"}
-    assert {bytes(r.value) for r in dead} == originals  # original bytes preserved
-    for r in dead:
-        h = dlq.parse(r.headers)
-        assert h[dlq.SOURCE_TOPIC] == topic and int(h[dlq.SOURCE_OFFSET]) >= 0
+    assert still_ready
+    for gid in goods:
+        assert isinstance(finals.get(gid), DoneReply), f"{gid}: {finals.get(gid)}"
+    for cls, key, value, (route, code) in bad:
+        if route == "dlq":
+            continue
+        reply = finals.get(expected_id(key, value))
+        if route == "done":
+            assert isinstance(reply, DoneReply), (cls, key, reply)
+        else:
+            assert isinstance(reply, ErrorReply) and reply.code.value == code, (cls, key, reply)
+            assert 0 < len(reply.message) <= 512
+    assert len(dead) == n_dlq
+    parsed = [dlq.parse(r.headers) for r in dead]
+    assert sorted(h[dlq.ERROR_CODE] for h in parsed) == ["invalid_request"] * n_dlq
+    unparsed = [h for h in parsed if "could not parse" in h[dlq.ERROR_MESSAGE]]
+    assert sorted(h[dlq.SOURCE_TOPIC] for h in unparsed) == sorted(catalog.request_topic(c).name for c in CLASSES)
+    assert sum(dlq.TRUNCATED in h for h in parsed) == len(CLASSES)  # the near-limit record, once per class
+    originals = {bytes(v) for _, _, v, (route, _) in bad if route == "dlq" and len(v) < 100_000}
+    assert originals <= {bytes(r.value or b"") for r in dead}  # original bytes preserved where they fit
     # Everything was answered, so the whole partition range is committed.
-    assert sum(committed.values()) == len(items)
+    assert sum(committed.values()) == len(items) + len(CLASSES) + sum(partitions.values())

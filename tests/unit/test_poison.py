@@ -49,6 +49,7 @@ POISON = [
     ("non-UTF-8 key, bad JSON", b"\xff\xfe", b"{", [], ("dlq", "invalid_request")),
     ("id of 200 chars", None, J({"id": "i" * 200, "prompt": "x"}), [], ("dlq", "invalid_request")),
     ("empty value", b"p27", b"", [], ("reply", "invalid_request")),
+    ("tombstone without a key", None, None, [], ("dlq", "invalid_request")),
     ("score, unknown template", None, J({"id": "p28", "kind": "score", "template": "nope", "event": {}}), [],
      ("reply", "invalid_request")),
     ("engine raises for this prompt", None, J({"id": "p29", "prompt": "BOOM"}), [], ("reply", "internal")),
@@ -172,3 +173,22 @@ async def test_intake_isolation_is_cheap_for_hostile_depth():
         with pytest.raises(Exception):
             codec.decode(b"[" * (LIMIT - 1))
     assert time.perf_counter() - start < 5  # a bound that only catches a quadratic scan, not a timing test
+
+
+async def test_an_unparseable_record_loses_nothing_read_in_the_same_fetch():
+    """The failed fetch drops what it read before the bad record on every partition (as aiokafka's
+    does); intake rewinds to the first offset not taken, so each record still ends exactly once."""
+    mem = Memory(partitions=3)
+    topic = CATALOG.request_topic("batch").name
+    for i in range(30):
+        mem.send("batch", J({"id": f"b{i}", "prompt": "x", "max_tokens": 1}), f"b{i}".encode())
+    tps = sorted(tp for tp in mem.broker.logs if tp.topic == topic)
+    for tp in tps:
+        mem.consumer.unreadable.add((tp, len(mem.broker.logs[tp]) - 1))  # the last record of each partition
+    async with running(mem) as w:
+        assert await until(mem.all_committed)
+        assert w.ready
+    finals = mem.finals()
+    assert sorted(finals) == sorted(r.key.decode() for tp in tps for r in mem.broker.logs[tp][:-1])
+    assert all(len(v) == 1 for v in finals.values())
+    assert mem.dead_letter_sources() == {(topic, tp.partition, len(mem.broker.logs[tp]) - 1) for tp in tps}
