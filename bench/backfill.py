@@ -87,12 +87,12 @@ async def run_sluice(args, s) -> dict:
         source, out = f"{prefix}events", f"{prefix}scored"
         from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-        admin = AIOKafkaAdminClient(**s.kafka_common())
+        admin = AIOKafkaAdminClient(**s.kafka.options())
         await admin.start()
         await admin.create_topics([NewTopic(source, 6, 1)])
         await admin.close()
         events = transactions(args.events, seed=args.seed)
-        await produce(s.kafka_bootstrap, [(source, e["id"].encode(), msgspec.json.encode(e), []) for e in events])
+        await produce(s.kafka.bootstrap, [(source, e["id"].encode(), msgspec.json.encode(e), []) for e in events])
         # warm the worker with a few score requests of another job
         warm = Backfill(s, cat, Job(source=source, out=f"{out}-warm", template="fraud", stop="8",
                                     name=f"warm-{uuid.uuid4().hex[:6]}"), state_dir=OUT / ".backfill-state",
@@ -109,13 +109,13 @@ async def run_sluice(args, s) -> dict:
         span = time.monotonic() - t0
         assert cp.complete, "backfill did not complete"
         dec = msgspec.json.Decoder(BackfillResult)
-        scores = {r.event_id: r.scores for r in (dec.decode(rec.value) for rec in await read_topic(s.kafka_common(), out))}
+        scores = {r.event_id: r.scores for r in (dec.decode(rec.value) for rec in await read_topic(s.kafka.options(), out))}
     return {"seconds": span, "events": cp.events, "errors": cp.errors, "scores": scores}
 
 
 async def main(args) -> None:
     s = common.settings()
-    args.model = args.model or s.model
+    args.model = args.model or s.engine.model
     print("offline: vLLM LLM in a child process ...", flush=True)
     off = run_offline(args)
     print(f"offline: {off['events'] / off['seconds']:.1f} events/s")

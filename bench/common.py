@@ -49,16 +49,15 @@ def settings(**env):
 
 
 async def fresh_catalog(s, tag: str):
-    cat = topics.load(s.topics_file).renamed(f"b{tag}{uuid.uuid4().hex[:6]}.")
-    await apply(s.kafka_common(), cat)
+    cat = topics.load(s.worker.topics_file).renamed(f"b{tag}{uuid.uuid4().hex[:6]}.")
+    await apply(s.kafka.options(), cat)
     return cat
 
 
 async def engine(s):
     from worker.engine import VllmEngine
-    from worker.service import engine_config
 
-    return await asyncio.to_thread(VllmEngine, engine_config(s))
+    return await asyncio.to_thread(VllmEngine, s)
 
 
 def free_port() -> int:
@@ -106,10 +105,10 @@ async def worker_process(s, tag: str, log_path: Path, **env):
     topics_file.write_text((root / "topics" / "default.toml").read_text()
                            .replace('name = "sluice.', f'name = "{prefix}sluice.'))
     cat = topics.load(topics_file)
-    await apply(s.kafka_common(), cat)
+    await apply(s.kafka.options(), cat)
     port = free_port()
     full = {**os.environ, "SLUICE_TOPICS_FILE": str(topics_file), "SLUICE_METRICS_PORT": str(port),
-            "SLUICE_METRICS_HOST": "127.0.0.1", "SLUICE_KAFKA_IDEMPOTENCE": "false", "SLUICE_MODEL": s.model,
+            "SLUICE_METRICS_HOST": "127.0.0.1", "SLUICE_KAFKA_IDEMPOTENCE": "false", "SLUICE_MODEL": s.engine.model,
             "SLUICE_GROUP_ID": f"{tag}-{uuid.uuid4().hex[:6]}", "SLUICE_LOG_LEVEL": "warning",
             "SLUICE_REDIS_KEY_PREFIX": f"{tag}-{uuid.uuid4().hex[:6]}", **env}
     proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], env=full, cwd=root,

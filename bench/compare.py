@@ -151,14 +151,14 @@ async def run_sluice(args, texts: list[str], s) -> dict:
         tag = uuid.uuid4().hex[:6]
 
         async def burst(bodies: list[dict], bar=None):
-            reader = ReplyReader(s.kafka_bootstrap, cat.replies.name)
+            reader = ReplyReader(s.kafka.bootstrap, cat.replies.name)
             await reader.start()
             sent, first, done = {}, {}, {}
             try:
                 t0 = time.monotonic()
                 for b in bodies:
                     sent[b["id"]] = t0
-                await produce(s.kafka_bootstrap, [(topic, b["id"].encode(), msgspec.json.encode(b), []) for b in bodies])
+                await produce(s.kafka.bootstrap, [(topic, b["id"].encode(), msgspec.json.encode(b), []) for b in bodies])
                 while len(done) < len(bodies):
                     async for r in reader.records(timeout_ms=100):
                         if r.id not in sent or r.id in done:
@@ -195,7 +195,7 @@ def table(results: list[dict]) -> str:
 
 async def main(args) -> None:
     s = common.settings()
-    args.model = args.model or s.model
+    args.model = args.model or s.engine.model
     texts = prompts(args.model, args.requests, args.prompt_tokens)
     results = []
     print("offline: loading vLLM LLM in a child process ...", flush=True)

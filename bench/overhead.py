@@ -38,15 +38,15 @@ async def publish(s, topic: str, n: int, tag: str) -> None:
         {"id": f"{tag}-{i}", "prompt": f"amount {i} USD, merchant grocery", "max_tokens": 4, "stream": False}), [])
         for i in range(n)]
     for k in tqdm(range(0, n, 2000), desc="publishing", unit="x2000", mininterval=2):
-        await produce(s.kafka_bootstrap, items[k:k + 2000])
+        await produce(s.kafka.bootstrap, items[k:k + 2000])
 
 
 async def bare_pipe(s, cat, n: int) -> float:
     """Read n records, produce one reply each, commit: no decoding, no engine."""
-    consumer = AIOKafkaConsumer(cat.request_topic("standard").name, bootstrap_servers=s.kafka_bootstrap,
+    consumer = AIOKafkaConsumer(cat.request_topic("standard").name, bootstrap_servers=s.kafka.bootstrap,
                                 group_id=f"pipe-{uuid.uuid4().hex[:6]}", enable_auto_commit=False,
                                 auto_offset_reset="earliest", fetch_max_wait_ms=50)
-    producer = AIOKafkaProducer(bootstrap_servers=s.kafka_bootstrap, linger_ms=2)
+    producer = AIOKafkaProducer(bootstrap_servers=s.kafka.bootstrap, linger_ms=2)
     await consumer.start()
     await producer.start()
     seen, start = 0, None
@@ -69,7 +69,7 @@ async def bare_pipe(s, cat, n: int) -> float:
 
 
 async def sluice_worker(s, cat, n: int, profile: bool) -> tuple[float, pstats.Stats | None]:
-    fresh = msgspec.structs.replace(s, group_id=f"ovh-{uuid.uuid4().hex[:6]}",
+    fresh = s.override(group_id=f"ovh-{uuid.uuid4().hex[:6]}",
                                     redis_key_prefix=f"ovh-{uuid.uuid4().hex[:6]}")  # nothing answered yet
     worker = Worker(fresh, cat, FakeEngine())
     done = lambda: metrics.requests_completed.labels("standard", "length")._value.get()  # noqa: E731

@@ -73,7 +73,7 @@ async def main(args) -> None:
     s = common.settings()
     print("loading the engine ...", flush=True)
     eng = await common.engine(s)
-    redis = RedisCluster.from_url(s.redis_url)
+    redis = RedisCluster.from_url(s.redis.url)
     tok = eng._tokenizer
     tenant = "bench"
     rows = []
@@ -86,7 +86,7 @@ async def main(args) -> None:
             generated = tok.encode(gen_text, add_special_tokens=False)[: args.generated]
             prefix = ids + generated
             seed = kv_pages.root(eng.fingerprint, tenant)
-            keys = [kv_pages.key(s.redis_key_prefix, d)
+            keys = [kv_pages.key(s.redis.key_prefix, d)
                     for d in kv_pages.chain(seed, prefix, eng.block_size, (len(prefix) - 1) // eng.block_size)]
             await wait_pages(redis, keys[: (len(ids) - 1) // eng.block_size])
             present = sum(bool(redis.exists(k)) for k in keys)
@@ -110,7 +110,7 @@ async def main(args) -> None:
         t0 = time.monotonic()
         pipe = redis.pipeline(transaction=False)
         for k, v in zip(keys[:present], values):
-            pipe.set(k, v, ex=s.kv_ttl_s)
+            pipe.set(k, v, ex=s.kv.ttl_s)
         pipe.execute()
         store_s = time.monotonic() - t0
     finally:

@@ -47,11 +47,11 @@ def main(args) -> int:
     env = dict(os.environ, SLUICE_KAFKA_IDEMPOTENCE="false", SLUICE_METRICS_PORT=str(DEMO_METRICS_PORT),
                SLUICE_GROUP_ID="sluice-demo", SLUICE_LOG_LEVEL="warning")
     settings = load(environ=env)
-    catalog = topics.load(settings.topics_file)
+    catalog = topics.load(settings.worker.topics_file)
     worker = None
     try:
-        prepare(Path(settings.model))
-        missing, _ = asyncio.run(apply(settings.kafka_common(), catalog))
+        prepare(Path(settings.engine.model))
+        missing, _ = asyncio.run(apply(settings.kafka.options(), catalog))
         print(f"topics: {len(missing)} created, {len(catalog.topic) - len(missing)} present")
         log = open(".sluice/demo-worker.log", "ab")
         worker = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], env=env, stdout=log, stderr=log)
@@ -65,7 +65,7 @@ def main(args) -> int:
             if reply.id == watched:
                 print(reply.text, end="", flush=True)
 
-        outcomes = asyncio.run(run_burst(settings.kafka_bootstrap, catalog, requests, on_token=on_token))
+        outcomes = asyncio.run(run_burst(settings.kafka.bootstrap, catalog, requests, on_token=on_token))
         print("\n")
         print(report(outcomes))
         problems = {rid: o.problems for rid, o in outcomes.items() if o.problems}

@@ -122,7 +122,7 @@ class Backfill:
     # -- setup -----------------------------------------------------------------
 
     async def _ensure_out_topic(self, partitions: int) -> None:
-        admin = AIOKafkaAdminClient(**self.s.kafka_common())
+        admin = AIOKafkaAdminClient(**self.s.kafka.options())
         await admin.start()
         try:
             if self.job.out not in await admin.list_topics():
@@ -170,7 +170,7 @@ class Backfill:
         cp = Checkpoint.load(self.path)
         if cp is not None and cp.complete:
             return cp  # nothing left to do: a finished job writes nothing more
-        probe = AIOKafkaConsumer(**self.s.kafka_common(), enable_auto_commit=False, fetch_max_wait_ms=50)
+        probe = AIOKafkaConsumer(**self.s.kafka.options(), enable_auto_commit=False, fetch_max_wait_ms=50)
         await probe.start()
         try:
             if cp is None:
@@ -207,11 +207,11 @@ class Backfill:
 
     async def _score(self, cp: Checkpoint) -> None:
         job, source = self.job, self.job.source
-        reader = ReplyReader(self.s.kafka_bootstrap, self.catalog.replies.name)
+        reader = ReplyReader(self.s.kafka.bootstrap, self.catalog.replies.name)
         await reader.start()
-        producer = AIOKafkaProducer(**self.s.kafka_common(), acks="all", linger_ms=5)
+        producer = AIOKafkaProducer(**self.s.kafka.options(), acks="all", linger_ms=5)
         await producer.start()
-        consumer = AIOKafkaConsumer(**self.s.kafka_common(), enable_auto_commit=False, fetch_max_wait_ms=50)
+        consumer = AIOKafkaConsumer(**self.s.kafka.options(), enable_auto_commit=False, fetch_max_wait_ms=50)
         await consumer.start()
         tracker = OffsetTracker()
         pending: dict[str, tuple[int, int, str]] = {}  # request id -> (partition, offset, event id)

@@ -22,7 +22,7 @@ def _catalog(settings):
     import topics
 
     try:
-        return topics.load(settings.topics_file)
+        return topics.load(settings.worker.topics_file)
     except (OSError, ValueError) as exc:
         sys.exit(f"sluice: {exc}")
 
@@ -66,16 +66,16 @@ def cmd_topics(args) -> int:
     settings = _settings(args)
     catalog = _catalog(settings)
     try:
-        missing, drift = asyncio.run(apply(settings.kafka_common(), catalog, create=args.action == "apply"))
+        missing, drift = asyncio.run(apply(settings.kafka.options(), catalog, create=args.action == "apply"))
     except (KafkaError, OSError) as exc:
-        print(f"sluice topics {args.action}: cannot reach {settings.kafka_bootstrap}: {exc!r}", file=sys.stderr)
+        print(f"sluice topics {args.action}: cannot reach {settings.kafka.bootstrap}: {exc!r}", file=sys.stderr)
         return 1
     for name in missing:
         print(f"{'created' if args.action == 'apply' else 'missing'}: {name}")
     for d in drift:
         print(f"drift: {d}")
     if not missing and not drift:
-        print(f"ok: {len(catalog.topic)} topics match {settings.topics_file or 'topics/default.toml'}")
+        print(f"ok: {len(catalog.topic)} topics match {settings.worker.topics_file or 'topics/default.toml'}")
     if args.action == "check":
         return 1 if missing or drift else 0
     return 1 if drift else 0
@@ -98,7 +98,7 @@ def cmd_worker(args) -> int:
 
     settings = _settings(args)
     catalog = _catalog(settings)
-    configure(settings.log_level, settings.log_format)
+    configure(settings.ops.log_level, settings.ops.log_format)
     return run_loop(run_worker(settings, catalog))
 
 
@@ -113,7 +113,7 @@ def cmd_loadgen(args) -> int:
                             max_tokens=(args.min_tokens, args.max_tokens), seed=args.seed)
     except ValueError as exc:
         sys.exit(f"sluice loadgen: {exc}")
-    timings = asyncio.run(run(settings.kafka_bootstrap, catalog, workload))
+    timings = asyncio.run(run(settings.kafka.bootstrap, catalog, workload))
     write_reports(timings, workload, Path(args.out))
     print((Path(args.out) / "loadgen.md").read_text())
     print(f"wrote {args.out}/loadgen.json, loadgen.png, loadgen.md")

@@ -63,18 +63,13 @@ class Engine(Protocol):
     def shutdown(self) -> None: ...
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str
-    device: str = "auto"  # auto | cpu | cuda | npu
-    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
-    max_model_len: int = 2048
-    max_num_seqs: int = 64
-    cpu_kvcache_gib: int = 2
-    gpu_memory_utilization: float = 0.85
-    enable_prefix_caching: bool = True
-    # KV pages in Redis Cluster (None: off): redis_url, key_prefix, ttl_s, timeout_s
-    kv_store: dict | None = None
+def kv_connector_config(settings, fingerprint: str) -> dict:
+    """The connector's `kv_connector_extra_config`: the settings sections it needs, as plain data
+    (vLLM hands it to the connector in its own processes, which rebuild the same Structs)."""
+    import msgspec
+
+    return {"redis": msgspec.to_builtins(settings.redis), "kv": msgspec.to_builtins(settings.kv),
+            "fingerprint": fingerprint}
 
 
 def model_fingerprint(model: str, dtype: str) -> str:
@@ -135,8 +130,9 @@ def resolve_dtype(requested: str, device: str) -> str:
 class VllmEngine:
     """vLLM `AsyncLLM` with token-id prompts, delta outputs and priority scheduling."""
 
-    def __init__(self, config: EngineConfig):
-        self.config = config
+    def __init__(self, settings):
+        """`settings`: the whole settings tree; the engine reads `engine`, and `kv` + `redis` for pages."""
+        self.config = config = settings.engine
         self.device = detect_device(config.device)
         if self.device == "cpu":
             # Read by vLLM's CPU worker when the engine core starts.
@@ -150,10 +146,10 @@ class VllmEngine:
         self._delta = RequestOutputKind.DELTA
         dtype = resolve_dtype(config.dtype, self.device)
         kv_transfer = None
-        if config.kv_store is not None:
+        if settings.kv.pages:
             from vllm.config import KVTransferConfig
 
-            extra = {**config.kv_store, "fingerprint": model_fingerprint(config.model, dtype)}
+            extra = kv_connector_config(settings, model_fingerprint(config.model, dtype))
             kv_transfer = KVTransferConfig(kv_connector="SluiceKVConnector", kv_connector_module_path="worker.kv_connector",
                                            kv_role="kv_both", kv_load_failure_policy="recompute",
                                            kv_connector_extra_config=extra)

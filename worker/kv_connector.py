@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -41,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from worker import kv_pages
 from worker.redis_seeds import SeedNodes
+from worker.settings import KvSettings, RedisSettings
 
 PARAMS_KEY = "sluice"  # inside kv_transfer_params
 # Pages are megabytes: reading them in 1 MiB chunks instead of redis-py's 64 KiB cuts a load round by a third.
@@ -147,12 +149,13 @@ class SluiceKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        redis = msgspec.convert(extra.get("redis", {}), RedisSettings)
+        kv = msgspec.convert(extra.get("kv", {}), KvSettings)
         self.block_size = vllm_config.cache_config.block_size
-        self.prefix = extra.get("key_prefix", "sluice")
+        self.prefix = redis.key_prefix
         self.fingerprint = extra.get("fingerprint", "")
-        self.ttl_s = int(extra.get("ttl_s", 3600))
-        self.redis = _Redis(extra.get("redis_url", "redis://127.0.0.1:17001"),
-                            float(extra.get("timeout_s", 0.5)), float(extra.get("retry_s", 5.0)))
+        self.ttl_s = kv.ttl_s
+        self.redis = _Redis(redis.url, redis.timeout_ms / 1000, float(extra.get("retry_s", 5.0)))
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._pending_counts: dict[str, int] = {}

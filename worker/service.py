@@ -8,7 +8,7 @@ import signal
 import structlog
 
 from topics import Catalog
-from worker.engine import EngineConfig, EngineDead
+from worker.engine import EngineDead
 from worker.ops import OpsServer
 from worker.settings import Settings
 from worker.worker import Worker
@@ -24,20 +24,6 @@ def run_loop(main):
     except ImportError:
         return asyncio.run(main)
     return uvloop.run(main)
-
-
-def engine_config(settings: Settings) -> EngineConfig:
-    return EngineConfig(
-        model=settings.model,
-        device=settings.device,
-        dtype=settings.dtype,
-        max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs,
-        cpu_kvcache_gib=settings.cpu_kvcache_gib,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        kv_store={"redis_url": settings.redis_url, "key_prefix": settings.redis_key_prefix,
-                  "ttl_s": settings.kv_ttl_s, "timeout_s": settings.redis_timeout_ms / 1000} if settings.kv_pages else None,
-    )
 
 
 async def run_worker(settings: Settings, catalog: Catalog, engine=None, **clients) -> int:
@@ -57,14 +43,14 @@ async def run_worker(settings: Settings, catalog: Catalog, engine=None, **client
             return False, {"engine": "loading"}
         return worker.health()
 
-    ops = OpsServer(settings.metrics_host, settings.metrics_port, status)
+    ops = OpsServer(settings.ops.metrics_host, settings.ops.metrics_port, status)
     await ops.start()
     try:
         if engine is None:
             from worker.engine import VllmEngine
 
-            log.info("engine_loading", model=settings.model, device=settings.device)
-            engine = await asyncio.to_thread(VllmEngine, engine_config(settings))
+            log.info("engine_loading", model=settings.engine.model, device=settings.engine.device)
+            engine = await asyncio.to_thread(VllmEngine, settings)
         worker = Worker(settings, catalog, engine, **clients)
         await worker.start()
         rc = await worker.run_until(stop)

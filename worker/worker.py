@@ -50,19 +50,19 @@ def kafka_consumer(settings: Settings):
     from aiokafka import AIOKafkaConsumer
 
     return AIOKafkaConsumer(
-        **settings.kafka_common(),
-        client_id=f"{settings.kafka_client_id}-consumer",
-        group_id=settings.group_id,
+        **settings.kafka.options(),
+        client_id=f"{settings.kafka.client_id}-consumer",
+        group_id=settings.group.id,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
-        fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
-        max_partition_fetch_bytes=max(1 << 20, 2 * settings.max_record_bytes),
+        fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,
+        max_partition_fetch_bytes=max(1 << 20, 2 * settings.limits.max_record_bytes),
     )
 
 
 def answer_store(settings: Settings) -> AnswerStore:
-    return AnswerStore(settings.redis_url, settings.redis_key_prefix, settings.redis_ttl_s, settings.redis_timeout_ms,
-                       progress_ttl_s=settings.progress_ttl_s)
+    return AnswerStore(settings.redis.url, settings.redis.key_prefix, settings.redis.ttl_s, settings.redis.timeout_ms,
+                       progress_ttl_s=settings.progress.ttl_s)
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -82,28 +82,28 @@ class Worker:
         self.settings, self.catalog, self.engine = settings, catalog, engine
         self.consumer = consumer if consumer is not None else kafka_consumer(settings)
         producer = producer if producer is not None else kafka_producer(
-            settings.kafka_common(), settings.kafka_idempotence, settings.kafka_client_id, settings.max_produce_bytes)
+            settings.kafka.options(), settings.kafka.idempotence, settings.kafka.client_id, settings.worker.max_produce_bytes)
         self.answers = answers if answers is not None else answer_store(settings)
         self.supervisor = Supervisor()
         self.liveness = Liveness([t.latency_class for t in catalog.requests])
         self.tracker = OffsetTracker()
         self.emitter = Emitter(producer, catalog.dlq.name, default_reply_topic=catalog.replies.name,
-                               outage_s=settings.reply_outage_s, max_record_bytes=settings.max_produce_bytes)
+                               outage_s=settings.health.reply_outage_s, max_record_bytes=settings.worker.max_produce_bytes)
         self._stopping = asyncio.Event()
         self.replies = Replies(self.emitter, self.answers, catalog.replies.name, self.is_running)
         self._topics = {t.name: t for t in catalog.requests}
-        self.scheduler = Scheduler([class_policy(t) for t in catalog.requests], settings.max_num_seqs,
-                                   settings.contention_hold_ms)
+        self.scheduler = Scheduler([class_policy(t) for t in catalog.requests], settings.engine.max_num_seqs,
+                                   settings.worker.contention_hold_ms)
         self.dispatch = Dispatcher(self.scheduler, self.tracker, self.supervisor, self.liveness)
-        self.runner = Runner(engine, self.emitter, self.answers, settings.limits(), self.is_running,
-                             settings.stream_chunk_tokens, settings.stream_chunk_ms, self.dispatch.release_slot,
-                             Templates(settings.templates_dir), replies=self.replies,
+        self.runner = Runner(engine, self.emitter, self.answers, settings.limits, self.is_running,
+                             settings.stream.chunk_tokens, settings.stream.chunk_ms, self.dispatch.release_slot,
+                             Templates(settings.worker.templates_dir), replies=self.replies,
                              on_progress=self.liveness.engine_moved)
         self.dispatch.runner, self.dispatch.replies = self.runner, self.replies
-        self.intake = Intake(self.consumer, RequestCodec(settings.limits()), self.tracker, self.dispatch, self.replies,
-                             self.answers, self.liveness, catalog.replies.name, settings.kafka_fetch_max_wait_ms,
+        self.intake = Intake(self.consumer, RequestCodec(settings.limits), self.tracker, self.dispatch, self.replies,
+                             self.answers, self.liveness, catalog.replies.name, settings.kafka.fetch_max_wait_ms,
                              stopping=lambda: self.supervisor.stopping)
-        self.commits = Commits(self.consumer, self.tracker, settings.commit_interval_ms / 1000)
+        self.commits = Commits(self.consumer, self.tracker, settings.group.commit_interval_ms / 1000)
         self._started = False
 
     @property
@@ -134,14 +134,14 @@ class Worker:
         sup.spawn("dispatch", self.dispatch.run())
         sup.spawn("commits", self.commits.run())
         sup.spawn("monitor", monitor(sup, self.liveness, self.engine, self.dispatch.busy, self.emitter,
-                                     stall_s=s.engine_stall_s, poll_stall_s=s.intake_stall_s,
-                                     health_interval_s=s.engine_health_interval_s, outage_s=s.reply_outage_s))
+                                     stall_s=s.health.engine_stall_s, poll_stall_s=s.health.intake_stall_s,
+                                     health_interval_s=s.health.engine_health_interval_s, outage_s=s.health.reply_outage_s))
         self._started = True
-        log.info("worker_started", group=s.group_id, topics=list(self._topics))
+        log.info("worker_started", group=s.group.id, topics=list(self._topics))
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drain: stop reading and admitting, let running requests finish within the grace period, commit."""
-        grace = self.settings.drain_grace_s if grace_s is None else grace_s
+        grace = self.settings.worker.drain_grace_s if grace_s is None else grace_s
         self._stopping.set()
         await self.supervisor.stop()  # intake, dispatch, commits and the monitor end here
         pending = list(self.dispatch.tasks)
@@ -194,7 +194,7 @@ class Worker:
         if not revoked:
             return
         dropped = self.dispatch.drop(revoked)
-        end = time.monotonic() + min(10.0, self.settings.drain_grace_s)
+        end = time.monotonic() + min(10.0, self.settings.worker.drain_grace_s)
         while time.monotonic() < end and any(tp in revoked for tp in self.dispatch.tasks.values()):
             await asyncio.sleep(0.05)
         await self.commits.commit(only=revoked)

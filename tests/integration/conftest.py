@@ -40,9 +40,8 @@ def settings(stack, model_dir):
 @pytest.fixture(scope="session")
 async def engine(settings):
     from worker.engine import VllmEngine
-    from worker.service import engine_config
 
-    eng = await asyncio.to_thread(VllmEngine, engine_config(settings))
+    eng = await asyncio.to_thread(VllmEngine, settings)
     yield eng
     eng.shutdown()
 
@@ -51,7 +50,7 @@ async def engine(settings):
 async def catalog(settings):
     """A fresh set of the five topics, so tests never read each other's records."""
     cat = topics.load().renamed(f"t{uuid.uuid4().hex[:8]}.")
-    await apply(settings.kafka_common(), cat)
+    await apply(settings.kafka.options(), cat)
     return cat
 
 

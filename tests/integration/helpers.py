@@ -10,7 +10,7 @@ from worker.worker import Worker
 
 @contextlib.asynccontextmanager
 async def running_worker(settings, catalog, engine, **overrides):
-    s = msgspec.structs.replace(settings, **overrides)
+    s = settings.override(**overrides)
     w = Worker(s, catalog, engine)
     await w.start()
     for _ in range(300):  # joined the group and owns partitions
@@ -27,7 +27,7 @@ async def committed_offsets(settings, group_id, topic_names):
     """{(topic, partition): committed offset} of a consumer group (OffsetFetch, without joining)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    consumer = AIOKafkaConsumer(**settings.kafka_common(), group_id=group_id, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(**settings.kafka.options(), group_id=group_id, enable_auto_commit=False)
     await consumer.start()
     try:
         out = {}

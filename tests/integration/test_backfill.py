@@ -25,7 +25,7 @@ pytestmark = pytest.mark.integration
 async def create_topic(settings, name: str, partitions: int) -> None:
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-    admin = AIOKafkaAdminClient(**settings.kafka_common())
+    admin = AIOKafkaAdminClient(**settings.kafka.options())
     await admin.start()
     try:
         await admin.create_topics([NewTopic(name, partitions, 1)])
@@ -34,7 +34,7 @@ async def create_topic(settings, name: str, partitions: int) -> None:
 
 
 async def read_all(settings, topic: str) -> list:
-    return await read_topic(settings.kafka_common(), topic)
+    return await read_topic(settings.kafka.options(), topic)
 
 
 async def test_time_bounds_resolve_by_record_timestamp(settings, catalog):
@@ -43,13 +43,13 @@ async def test_time_bounds_resolve_by_record_timestamp(settings, catalog):
     base = int(datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp() * 1000)
     from aiokafka import AIOKafkaProducer
 
-    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
+    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka.bootstrap)
     await producer.start()
     for i in range(40):  # one record a minute
         await producer.send(topic, b"{}", partition=0, timestamp_ms=base + i * 60_000)
     await producer.flush()
     await producer.stop()
-    consumer = AIOKafkaConsumer(**settings.kafka_common(), enable_auto_commit=False, fetch_max_wait_ms=50)
+    consumer = AIOKafkaConsumer(**settings.kafka.options(), enable_auto_commit=False, fetch_max_wait_ms=50)
     await consumer.start()
     try:
         cases = [
@@ -74,7 +74,7 @@ def backfill_cmd(source, out, state_dir, max_in_flight=16):
 
 async def wait_for_results(settings, topic: str, want: int, proc, log_path, timeout_s: float = 300) -> None:
     """Follow `topic` live until `want` records are there; the backfill must still be running."""
-    consumer = AIOKafkaConsumer(**settings.kafka_common(), enable_auto_commit=False, fetch_max_wait_ms=50)
+    consumer = AIOKafkaConsumer(**settings.kafka.options(), enable_auto_commit=False, fetch_max_wait_ms=50)
     await consumer.start()
     try:
         deadline, seen, assigned = time.monotonic() + timeout_s, 0, False
@@ -108,7 +108,7 @@ async def test_backfill_killed_midway_resumes_with_one_result_per_event(settings
     no_mcc = {k: v for k, v in events[0].items() if k != "mcc"} | {"id": "tx-no-mcc"}
     records.append((source, b"tx-no-mcc", msgspec.json.encode(no_mcc), []))
     records.append((source, b"tx-garbage", b"{not json", []))
-    await produce(settings.kafka_bootstrap, records)
+    await produce(settings.kafka.bootstrap, records)
     env = {**os.environ, "SLUICE_TOPICS_FILE": str(topics_file), "SLUICE_KAFKA_IDEMPOTENCE": "false",
            "SLUICE_LOG_LEVEL": "warning"}
     state = tmp_path / "state"

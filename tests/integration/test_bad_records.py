@@ -120,17 +120,17 @@ async def test_malformed_records_never_block(settings, catalog, engine, group_id
             else:
                 items.append((topic, gid.encode(), J(body), []))
     partitions = {cls: catalog.request_topic(cls).partitions for cls in CLASSES}
-    reader = ReplyReader(settings.kafka_bootstrap, catalog.replies.name)
+    reader = ReplyReader(settings.kafka.bootstrap, catalog.replies.name)
     await reader.start()
     finals = {}
     try:
         async with running_worker(settings, catalog, engine, group_id=group_id, max_produce_bytes=1_000_000) as w:
-            await produce(settings.kafka_bootstrap, items)
-            subprocess.run([sys.executable, "-c", HOSTILE_PRODUCER, settings.kafka_bootstrap,
+            await produce(settings.kafka.bootstrap, items)
+            subprocess.run([sys.executable, "-c", HOSTILE_PRODUCER, settings.kafka.bootstrap,
                             ",".join(catalog.request_topic(c).name for c in CLASSES)],
                            env={**os.environ, "AIOKAFKA_NO_EXTENSIONS": "1"}, check=True, timeout=60)
             # valid requests after the unparseable record, on every partition of every class
-            producer = AIOKafkaProducer(bootstrap_servers=settings.kafka_bootstrap)
+            producer = AIOKafkaProducer(bootstrap_servers=settings.kafka.bootstrap)
             await producer.start()
             for cls in CLASSES:
                 for p in range(partitions[cls]):
@@ -150,7 +150,7 @@ async def test_malformed_records_never_block(settings, catalog, engine, group_id
             await asyncio.sleep(1.5)  # a commit interval
             still_ready = w.ready and w.supervisor.failure is None
         n_dlq = sum(b[3][0] == "dlq" for b in bad) + len(CLASSES)
-        dead = await _read_all(settings.kafka_bootstrap, catalog.dlq.name, n_dlq)
+        dead = await _read_all(settings.kafka.bootstrap, catalog.dlq.name, n_dlq)
         committed = await committed_offsets(settings, group_id, {catalog.request_topic(c).name for c in CLASSES})
     finally:
         await reader.stop()

@@ -53,11 +53,11 @@ async def wait_ready(proc, port, log_path, timeout=600):
 async def test_sigkill_mid_stream_loses_and_changes_nothing(settings, catalog, engine, model_dir, tmp_path):
     env = {**os.environ, "SLUICE_TOPICS_FILE": str(prefixed_topics_file(catalog, tmp_path / "topics.toml")),
            "SLUICE_GROUP_ID": f"chaos-{uuid.uuid4().hex[:6]}", "SLUICE_MODEL": str(model_dir),
-           "SLUICE_KAFKA_IDEMPOTENCE": "false", "SLUICE_REDIS_KEY_PREFIX": settings.redis_key_prefix,
+           "SLUICE_KAFKA_IDEMPOTENCE": "false", "SLUICE_REDIS_KEY_PREFIX": settings.redis.key_prefix,
            "SLUICE_LOG_LEVEL": "info", "SLUICE_CPU_KVCACHE_GIB": "1"}
     victim, vport = start(env, tmp_path, "victim")
     survivor, sport = start(env, tmp_path, "survivor")
-    reader = ReplyReader(settings.kafka_bootstrap, catalog.replies.name)
+    reader = ReplyReader(settings.kafka.bootstrap, catalog.replies.name)
     try:
         await wait_ready(victim, vport, tmp_path / "victim.log")
         await wait_ready(survivor, sport, tmp_path / "survivor.log")
@@ -65,7 +65,7 @@ async def test_sigkill_mid_stream_loses_and_changes_nothing(settings, catalog, e
         await reader.start()
         tag = uuid.uuid4().hex[:6]
         ids = [f"chaos-{tag}-{k}" for k in range(N)]
-        await produce(settings.kafka_bootstrap, [
+        await produce(settings.kafka.bootstrap, [
             (catalog.request_topic("standard").name, rid.encode(),
              msgspec.json.encode({"id": rid, "prompt": prompt(k), "max_tokens": MAX_TOKENS}), [])
             for k, rid in enumerate(ids)])

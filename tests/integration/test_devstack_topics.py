@@ -55,7 +55,7 @@ async def test_topics_apply_then_check_reports_drift(stack, settings, tmp_path):
     path = _topics_file(tmp_path, prefix)
     env = {"SLUICE_TOPICS_FILE": str(path)}
     # Pre-create one topic with the wrong partition count: drift.
-    admin = AIOKafkaAdminClient(**settings.kafka_common())
+    admin = AIOKafkaAdminClient(**settings.kafka.options())
     await admin.start()
     await admin.create_topics([NewTopic(f"{prefix}sluice.dlq", 3, 1)])
     await admin.close()

@@ -27,7 +27,7 @@ async def run(engine, rid: str, prompt_ids, tenant: str, max_tokens: int = 12):
 
 def page_keys(settings, engine, tenant: str, prompt_ids) -> list[str]:
     seed = kv_pages.root(engine.fingerprint, tenant)
-    return [kv_pages.key(settings.redis_key_prefix, d)
+    return [kv_pages.key(settings.redis.key_prefix, d)
             for d in kv_pages.chain(seed, prompt_ids, engine.block_size, (len(prompt_ids) - 1) // engine.block_size)]
 
 
@@ -40,7 +40,7 @@ async def wait_stored(redis, keys, timeout=60):
 
 
 async def test_pages_load_on_a_prefix_match_and_never_across_tenants_or_when_corrupt(settings, engine):
-    redis = RedisCluster.from_url(settings.redis_url)
+    redis = RedisCluster.from_url(settings.redis.url)
     ids = engine.prompt_ids(Request(id="kv", prompt=PROMPT))
     assert len(ids) > 4 * engine.block_size
     keys = page_keys(settings, engine, "acme", ids)

@@ -35,11 +35,11 @@ async def test_sigterm_drains_in_flight_requests(settings, catalog, model_dir, t
         ready = http_get(port, "/readyz")[1]
         assert '"redis": "up"' in ready, ready
 
-        reader = ReplyReader(settings.kafka_bootstrap, catalog.replies.name)
+        reader = ReplyReader(settings.kafka.bootstrap, catalog.replies.name)
         await reader.start()
         ids = [f"drain-{i}" for i in range(6)]
         import msgspec
-        await produce(settings.kafka_bootstrap, [
+        await produce(settings.kafka.bootstrap, [
             (catalog.request_topic("standard").name, i.encode(),
              msgspec.json.encode({"id": i, "prompt": "Count from 1 to 1000: 1, 2, 3, 4,", "max_tokens": 300}), [])
             for i in ids])

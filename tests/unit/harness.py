@@ -21,7 +21,7 @@ _codec = ReplyCodec()
 
 
 def settings(**overrides):
-    base = {"kafka_idempotence": False, "metrics_port": 0, "commit_interval_ms": 10, "drain_grace_s": 2,
+    base = {"kafka_idempotence": False, "metrics_port": 0, "group_commit_interval_ms": 10, "drain_grace_s": 2,
             "stream_chunk_tokens": 1, "contention_hold_ms": 0, "max_record_bytes": 64 * 1024,
             "max_produce_bytes": 96 * 1024, "engine_health_interval_s": 0.2}
     return load(environ={}, **{**base, **overrides})
@@ -32,7 +32,7 @@ class Memory:
 
     def __init__(self, partitions: int = 2, engine=None, **overrides):
         self.settings = settings(**overrides)
-        self.broker = MemoryBroker(partitions, max_record_bytes=self.settings.max_produce_bytes)
+        self.broker = MemoryBroker(partitions, max_record_bytes=self.settings.worker.max_produce_bytes)
         self.consumer = MemoryConsumer(self.broker)
         self.producer = MemoryProducer(self.broker)
         self.answers = MemoryAnswers()

@@ -103,7 +103,7 @@ async def test_every_poison_kind_is_answered_and_never_blocks(cls):
         sorted(code for *_, (route, code) in POISON if route == "dlq")
     for r in dead:  # every copy fits the broker; a cut copy says so
         size = len(r.value or b"") + len(r.key or b"") + sum(len(k) + len(v or b"") for k, v in r.headers)
-        assert size <= mem.settings.max_produce_bytes
+        assert size <= mem.settings.worker.max_produce_bytes
         if len(r.value or b"") < LIMIT - 10 and (r.value or b"").startswith(b"\x00" * 100):
             assert dlq.TRUNCATED in dict(r.headers)
 

@@ -7,7 +7,7 @@ def test_env_overrides_file(tmp_path):
     cfg = tmp_path / "s.toml"
     cfg.write_text('group_id = "from-file"\nmetrics_port = 1000\n')
     s = load(cfg, environ={"SLUICE_METRICS_PORT": "2000", "SLUICE_KAFKA_IDEMPOTENCE": "false"})
-    assert (s.group_id, s.metrics_port, s.kafka_idempotence) == ("from-file", 2000, False)
+    assert (s.group.id, s.ops.metrics_port, s.kafka.idempotence) == ("from-file", 2000, False)
 
 
 @pytest.mark.parametrize("env,named", [
@@ -18,6 +18,8 @@ def test_env_overrides_file(tmp_path):
     ({"SLUICE_KAFKA_BOOTSTRAP": ""}, "SLUICE_KAFKA_BOOTSTRAP"),
     ({"SLUICE_GROUP_ID": ""}, "SLUICE_GROUP_ID"),
     ({"SLUICE_DEVICE": "tpu"}, "SLUICE_DEVICE"),
+    ({"SLUICE_MAX_NESTING_DEPTH": "0"}, "SLUICE_MAX_NESTING_DEPTH"),
+    ({"SLUICE_ENGINE_STALL_S": "-1"}, "SLUICE_ENGINE_STALL_S"),
 ])
 def test_invalid_settings_name_the_variable(env, named):
     with pytest.raises(SettingsError, match=named):

@@ -44,8 +44,7 @@ class Run:
     def __init__(self, monkeypatch, mem: Memory):
         self.mem, self.worker = mem, None
         self.port = free_port()
-        self.mem.settings = __import__("msgspec").structs.replace(mem.settings, metrics_port=self.port,
-                                                                  metrics_host="127.0.0.1")
+        self.mem.settings = mem.settings.override(metrics_port=self.port, metrics_host="127.0.0.1")
         outer = self
 
         class Captured(service.Worker):
