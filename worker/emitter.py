@@ -16,7 +16,7 @@ import asyncio
 import time
 
 import structlog
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 
 from schemas import ErrorCode, ErrorReply, ReplyCodec, TokenReply, dlq
 from schemas.codec import CONTENT_TYPE, JSON, cap
@@ -113,7 +113,12 @@ class Emitter:
         metrics.reply_records.labels("dlq").inc()
 
     async def _send_durably(self, topic, value, key, headers, retry_until, attempts=None) -> None:
-        """Retriable errors are retried while `retry_until()` holds (at most `attempts` times), within the outage bound."""
+        """Retriable errors are retried while `retry_until()` holds (at most `attempts` times), within the outage bound.
+
+        On our own topics (`attempts` None) a delivery timeout counts as retriable: it is what a
+        broker outage longer than the producer's request timeout looks like, and it must not end
+        the worker before `outage_s`. On a requester's `reply_to` it means "go to the default topic".
+        """
         delay = 0.2
         tries = 0
         while True:
@@ -123,7 +128,8 @@ class Emitter:
                 self.failing_since = None
                 return
             except KafkaError as exc:
-                if not exc.retriable or retry_until is None or not retry_until():
+                retriable = exc.retriable or (attempts is None and isinstance(exc, KafkaTimeoutError))
+                if not retriable or retry_until is None or not retry_until():
                     raise
                 if self.failing_since is None:
                     self.failing_since = time.monotonic()

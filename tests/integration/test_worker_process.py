@@ -68,3 +68,75 @@ async def test_sigterm_drains_in_flight_requests(settings, catalog, model_dir, t
     assert '"draining"' in worker_log and '"worker_stopped"' in worker_log
     committed = await committed_offsets(settings, group, {catalog.request_topic("standard").name})
     assert sum(committed.values()) == len(ids)
+
+
+def _engine_processes(worker_pid: int) -> list[int]:
+    """The vLLM engine processes under a worker (not its engine guard)."""
+    from worker import engine_guard
+
+    out = []
+    for pid in engine_guard.descendants(engine_guard.parents(), worker_pid):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"engine_guard" not in cmdline:
+            out.append(pid)
+    return out
+
+
+async def test_stalled_engine_fails_the_worker_closed(settings, catalog, model_dir, tmp_path):
+    """The real engine frozen (SIGSTOP) with a request in flight: /readyz turns 503 with the reason
+    and `sluice worker` exits non-zero, instead of holding its partitions while looking alive."""
+    topics_file = prefixed_topics_file(catalog, tmp_path / "topics.toml")
+    port, group = free_port(), f"g-{uuid.uuid4().hex[:6]}"
+    env = {**os.environ, "SLUICE_TOPICS_FILE": str(topics_file), "SLUICE_METRICS_PORT": str(port),
+           "SLUICE_GROUP_ID": group, "SLUICE_MODEL": str(model_dir), "SLUICE_KAFKA_IDEMPOTENCE": "false",
+           "SLUICE_ENGINE_STALL_S": "5", "SLUICE_ENGINE_HEALTH_INTERVAL_S": "2", "SLUICE_DRAIN_GRACE_S": "3",
+           "SLUICE_KV_PAGES": "false", "SLUICE_REDIS_KEY_PREFIX": f"p{uuid.uuid4().hex[:6]}"}
+    log = open(tmp_path / "worker.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], env=env, stdout=log, stderr=log)
+    frozen: list[int] = []
+    try:
+        end = time.monotonic() + 400
+        while http_get(port, "/readyz")[0] != 200:
+            assert proc.poll() is None, (tmp_path / "worker.log").read_text()[-2000:]
+            assert time.monotonic() < end, "worker never became ready"
+            await asyncio.sleep(0.5)
+        reader = ReplyReader(settings.kafka.bootstrap, catalog.replies.name)
+        await reader.start()
+        import msgspec
+        await produce(settings.kafka.bootstrap, [(catalog.request_topic("realtime").name, b"stall-1", msgspec.json.encode(
+            {"id": "stall-1", "prompt": "Count from 1 to 1000: 1, 2, 3,", "max_tokens": 400}), [])])
+        deadline = time.monotonic() + 120
+        while not frozen and time.monotonic() < deadline:
+            async for r in reader.records():
+                if isinstance(r, TokenReply) and not frozen:
+                    frozen = _engine_processes(proc.pid)
+                    for pid in frozen:
+                        os.kill(pid, signal.SIGSTOP)
+        await reader.stop()
+        assert frozen, "no token arrived, or no engine process was found"
+        stopped_at = time.monotonic()
+        saw_503 = None
+        while proc.poll() is None and time.monotonic() - stopped_at < 90:
+            status, body = http_get(port, "/readyz")
+            if status == 503 and saw_503 is None:
+                saw_503 = (time.monotonic() - stopped_at, body)
+            await asyncio.sleep(0.2)
+        rc = proc.poll()
+        exited_after = time.monotonic() - stopped_at
+    finally:
+        for pid in frozen:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        if proc.poll() is None:
+            proc.kill()
+    worker_log = (tmp_path / "worker.log").read_text()
+    assert saw_503 is not None and "engine stalled" in saw_503[1], (saw_503, worker_log[-3000:])
+    assert saw_503[0] < 5 + 5, saw_503  # the stall bound plus the monitor's tick
+    assert rc not in (None, 0), (rc, exited_after, worker_log[-3000:])
+    assert '"worker_failed"' in worker_log and '"worker_exiting"' in worker_log

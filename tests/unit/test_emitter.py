@@ -50,11 +50,32 @@ async def test_retriable_failures_are_bounded_for_own_topics(monkeypatch):
     assert em._producer.sent[0][0] == "replies"
 
 
-async def test_default_topic_failure_is_raised_not_rerouted():
+async def test_a_delivery_timeout_on_the_default_topic_is_an_outage_retried_within_the_bound(monkeypatch):
+    import asyncio
+
+    from worker.emitter import ReplyOutage
+
+    async def no_sleep(_):
+        return None
+
+    monkeypatch.setattr(asyncio, "sleep", no_sleep)
     em = _emitter({"replies": KafkaTimeoutError})
+    em.outage_s = 0.2
     try:
         await em.final("replies", DONE, retry_until=lambda: True)
-    except KafkaTimeoutError:
+    except ReplyOutage:
+        assert em._producer.calls["replies"] > 3 and em._producer.sent == []
+        return
+    raise AssertionError("an outage past the bound must raise ReplyOutage")
+
+
+async def test_default_topic_refusal_is_raised_not_rerouted():
+    from aiokafka.errors import TopicAuthorizationFailedError
+
+    em = _emitter({"replies": TopicAuthorizationFailedError})
+    try:
+        await em.final("replies", DONE, retry_until=lambda: True)
+    except TopicAuthorizationFailedError:
         assert em._producer.sent == []
         return
     raise AssertionError("a failure on the default reply topic must surface")
