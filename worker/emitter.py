@@ -54,6 +54,10 @@ class Emitter:
     async def stop(self) -> None:
         await self._producer.stop()
 
+    def background_task(self):
+        """The producer's own sender task (aiokafka's, or the double's), for the supervisor to watch."""
+        return getattr(getattr(self._producer, "_sender", None), "sender_task", None)
+
     def outage_for(self) -> float:
         """Seconds since produces started failing (0 while they succeed)."""
         return 0.0 if self.failing_since is None else time.monotonic() - self.failing_since

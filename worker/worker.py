@@ -127,8 +127,7 @@ class Worker:
         metrics.engine_up.set(1)
         sup = self.supervisor
         sup.watch("answer-writer", getattr(self.answers, "writer", None))
-        sender = getattr(getattr(self.emitter._producer, "_sender", None), "sender_task", None)
-        sup.watch("producer", sender)
+        sup.watch("producer", self.emitter.background_task())
         for t in self.catalog.requests:
             sup.spawn(f"intake-{t.latency_class}", self.intake.run(t, class_policy(t)))
         sup.spawn("dispatch", self.dispatch.run())

@@ -113,3 +113,26 @@ def test_pause_and_resume_thresholds():
 def test_invalid_policy():
     with pytest.raises(ValueError):
         ClassPolicy("x", 0, max_in_engine=2, contended_in_engine=3)
+
+
+def _r(name, cls, generated, suspending=False):
+    from worker.policy import Running
+
+    return Running(name, cls, generated, suspending)
+
+
+@pytest.mark.parametrize("name,excess,running,chosen", [
+    ("fewest generated go first", {"batch": 2},
+     [_r("a", "batch", 30), _r("b", "batch", 2), _r("c", "batch", 9), _r("d", "batch", 40)], ["b", "c"]),
+    ("already suspending counts", {"batch": 2},
+     [_r("a", "batch", 30), _r("b", "batch", 2, True), _r("c", "batch", 9)], ["c"]),
+    ("enough already leaving", {"batch": 1}, [_r("a", "batch", 3, True), _r("b", "batch", 1)], []),
+    ("other classes untouched", {"standard": 1},
+     [_r("a", "batch", 0), _r("b", "standard", 5), _r("c", "standard", 4)], ["c"]),
+    ("more excess than running", {"batch": 5}, [_r("a", "batch", 1)], ["a"]),
+    ("nothing over", {}, [_r("a", "batch", 1)], []),
+])
+def test_choose_suspensions(name, excess, running, chosen):
+    from worker.policy import choose_suspensions
+
+    assert choose_suspensions(excess, running) == chosen

@@ -1,0 +1,78 @@
+"""Commits, revoke and suspension through the stages over the in-memory doubles and the fake engine."""
+
+import asyncio
+
+from schemas import DoneReply, Request
+from tests.unit.harness import CATALOG, J, Memory, running, until
+from worker.fake_engine import FakeEngine
+
+
+def tp_of(mem, cls, partition=0):
+    return next(tp for tp in mem.broker.logs if tp.topic == CATALOG.request_topic(cls).name and tp.partition == partition)
+
+
+class Gated(FakeEngine):
+    """Holds the request whose prompt is "hold" until `release` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def generate(self, request_id, prompt_ids, params, priority):
+        if prompt_ids == self.prompt_ids(Request(id="x", prompt="hold")):
+            await self.release.wait()
+        async for d in super().generate(request_id, prompt_ids, params, priority):
+            yield d
+
+
+async def test_commits_never_pass_an_unfinished_record():
+    mem = Memory(partitions=1, engine=Gated())
+    mem.send("standard", J({"id": "slow", "prompt": "hold", "max_tokens": 2}), b"slow")
+    for i in range(5):
+        mem.send("standard", J({"id": f"f{i}", "prompt": "x", "max_tokens": 2}), f"f{i}".encode())
+    async with running(mem):
+        assert await until(lambda: len(mem.finals()) == 5)
+        await until(lambda: False, timeout=0.1)  # a few commit intervals
+        assert mem.broker.committed.get(tp_of(mem, "standard"), 0) == 0  # offset 0 still running
+        mem.engine.release.set()
+        assert await until(mem.all_committed)
+    assert sorted(mem.finals()) == ["f0", "f1", "f2", "f3", "f4", "slow"]
+
+
+async def test_revoked_partitions_drop_waiting_work_and_the_next_owner_answers_it():
+    mem = Memory(partitions=2, engine=FakeEngine(token_delay_s=0.01))
+    for i in range(40):
+        mem.send("batch", J({"id": f"b{i}", "prompt": "x", "max_tokens": 3}), f"b{i}".encode())
+    async with running(mem) as w:
+        await until(lambda: len(mem.finals()) >= 3)
+        mine = w.consumer.assignment()
+        await mem.consumer.assign(set())  # a rebalance takes everything away
+        assert w.scheduler.waiting() == 0 and not w.tracker.partitions()
+        await mem.consumer.assign(mine)  # and gives it back: read again from the committed offsets
+        assert await until(mem.all_committed, timeout=20)
+        assert w.ready
+    finals = mem.finals()
+    assert sorted(finals) == sorted(f"b{i}" for i in range(40))
+    for rid, replies in finals.items():  # a repeat after the revoke is the stored answer again
+        assert all(r == replies[0] for r in replies), rid
+
+
+async def test_realtime_suspends_batch_and_batch_streams_stay_gapless():
+    mem = Memory(partitions=1, engine=FakeEngine(token_delay_s=0.005), max_num_seqs=4)
+    for i in range(4):
+        mem.send("batch", J({"id": f"b{i}", "prompt": f"batch {i}", "max_tokens": 60}), f"b{i}".encode())
+    async with running(mem) as w:
+        assert await until(lambda: w.scheduler.running("batch") == 4)
+        for i in range(3):
+            mem.send("realtime", J({"id": f"r{i}", "prompt": "now", "max_tokens": 5}), f"r{i}".encode())
+        assert await until(mem.all_committed, timeout=20)
+    assert any(rid.endswith("#2") for rid in mem.engine.started)  # a suspended request ran again
+    assert mem.engine.aborted, "no batch request was suspended"
+    finals = mem.finals()
+    tokens = mem.tokens()
+    for i in range(4):
+        (done,) = finals[f"b{i}"]
+        assert isinstance(done, DoneReply) and done.usage.completion_tokens == 60
+        mine = [t for t in tokens if t.id == f"b{i}"]
+        assert [t.seq for t in mine] == list(range(done.seq))
+        assert "".join(t.text for t in mine) == done.text
