@@ -114,7 +114,7 @@ class HealthSettings(_Section):
     # reply could be produced this long. Shorter broker outages are retried with back-off.
     engine_stall_s: Seconds = 120.0
     engine_health_interval_s: Seconds = 10.0
-    intake_stall_s: Seconds = 60.0
+    intake_stall_s: Seconds = 300.0  # a rebalance can hold a poll that long (max.poll.interval.ms)
     reply_outage_s: Seconds = 120.0
 
 

@@ -15,6 +15,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from loadgen.burst import ReplyReader, produce
 from schemas import DoneReply, ErrorReply, dlq
 from tests.integration.helpers import committed_offsets, running_worker
+from tests.unit.harness import request_id_of
 
 pytestmark = pytest.mark.integration
 J = msgspec.json.encode
@@ -96,15 +97,6 @@ async def _read_all(bootstrap, topic, n, timeout=60):
     return out
 
 
-def expected_id(key, value):
-    if key:
-        return key.decode()
-    try:
-        return msgspec.json.decode(value)["id"]
-    except msgspec.DecodeError:
-        return msgspec.msgpack.decode(value)["id"]
-
-
 async def test_malformed_records_never_block(settings, catalog, engine, group_id):
     items, bad, goods = [], [], []
     for cls in CLASSES:
@@ -161,7 +153,7 @@ async def test_malformed_records_never_block(settings, catalog, engine, group_id
     for cls, key, value, (route, code) in bad:
         if route == "dlq":
             continue
-        reply = finals.get(expected_id(key, value))
+        reply = finals.get(request_id_of(key, value))
         if route == "done":
             assert isinstance(reply, DoneReply), (cls, key, reply)
         else:

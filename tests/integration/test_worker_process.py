@@ -17,20 +17,27 @@ from tests.integration.helpers import committed_offsets, free_port, http_get, pr
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-async def test_sigterm_drains_in_flight_requests(settings, catalog, model_dir, tmp_path):
+async def start_worker(catalog, model_dir, tmp_path, **env_extra):
+    """`sluice worker` as a process on this test's topics, once its /readyz says 200: (proc, port, group)."""
     topics_file = prefixed_topics_file(catalog, tmp_path / "topics.toml")
     port, group = free_port(), f"g-{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "SLUICE_TOPICS_FILE": str(topics_file), "SLUICE_METRICS_PORT": str(port),
            "SLUICE_GROUP_ID": group, "SLUICE_MODEL": str(model_dir), "SLUICE_KAFKA_IDEMPOTENCE": "false",
-           "SLUICE_DRAIN_GRACE_S": "120", "SLUICE_REDIS_KEY_PREFIX": f"p{uuid.uuid4().hex[:6]}"}
+           "SLUICE_REDIS_KEY_PREFIX": f"p{uuid.uuid4().hex[:6]}", **env_extra}
     log = open(tmp_path / "worker.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], env=env, stdout=log, stderr=log)
+    end = time.monotonic() + 400
+    while http_get(port, "/readyz")[0] != 200:
+        if proc.poll() is not None or time.monotonic() > end:
+            proc.kill()
+            raise AssertionError("worker never became ready: " + (tmp_path / "worker.log").read_text()[-2000:])
+        await asyncio.sleep(0.5)
+    return proc, port, group
+
+
+async def test_sigterm_drains_in_flight_requests(settings, catalog, model_dir, tmp_path):
+    proc, port, group = await start_worker(catalog, model_dir, tmp_path, SLUICE_DRAIN_GRACE_S="120")
     try:
-        end = time.monotonic() + 400
-        while http_get(port, "/readyz")[0] != 200:
-            assert proc.poll() is None, (tmp_path / "worker.log").read_text()[-2000:]
-            assert time.monotonic() < end, "worker never became ready"
-            await asyncio.sleep(0.5)
         assert http_get(port, "/healthz")[0] == 200
         ready = http_get(port, "/readyz")[1]
         assert '"redis": "up"' in ready, ready
@@ -88,21 +95,11 @@ def _engine_processes(worker_pid: int) -> list[int]:
 async def test_stalled_engine_fails_the_worker_closed(settings, catalog, model_dir, tmp_path):
     """The real engine frozen (SIGSTOP) with a request in flight: /readyz turns 503 with the reason
     and `sluice worker` exits non-zero, instead of holding its partitions while looking alive."""
-    topics_file = prefixed_topics_file(catalog, tmp_path / "topics.toml")
-    port, group = free_port(), f"g-{uuid.uuid4().hex[:6]}"
-    env = {**os.environ, "SLUICE_TOPICS_FILE": str(topics_file), "SLUICE_METRICS_PORT": str(port),
-           "SLUICE_GROUP_ID": group, "SLUICE_MODEL": str(model_dir), "SLUICE_KAFKA_IDEMPOTENCE": "false",
-           "SLUICE_ENGINE_STALL_S": "5", "SLUICE_ENGINE_HEALTH_INTERVAL_S": "2", "SLUICE_DRAIN_GRACE_S": "3",
-           "SLUICE_KV_PAGES": "false", "SLUICE_REDIS_KEY_PREFIX": f"p{uuid.uuid4().hex[:6]}"}
-    log = open(tmp_path / "worker.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], env=env, stdout=log, stderr=log)
+    proc, port, _ = await start_worker(catalog, model_dir, tmp_path, SLUICE_ENGINE_STALL_S="5",
+                                       SLUICE_ENGINE_HEALTH_INTERVAL_S="2", SLUICE_DRAIN_GRACE_S="3",
+                                       SLUICE_KV_PAGES="false")
     frozen: list[int] = []
     try:
-        end = time.monotonic() + 400
-        while http_get(port, "/readyz")[0] != 200:
-            assert proc.poll() is None, (tmp_path / "worker.log").read_text()[-2000:]
-            assert time.monotonic() < end, "worker never became ready"
-            await asyncio.sleep(0.5)
         reader = ReplyReader(settings.kafka.bootstrap, catalog.replies.name)
         await reader.start()
         import msgspec

@@ -100,3 +100,13 @@ async def until(predicate, timeout: float = 10.0, step: float = 0.01) -> bool:
 J = msgspec.json.encode
 M = msgspec.msgpack.encode
 MSGPACK = [("content-type", b"application/msgpack")]
+
+
+def request_id_of(key: bytes | None, value: bytes) -> str:
+    """The id a test record is answered under: its key, else the `id` in its JSON or msgpack value."""
+    if key:
+        return key.decode()
+    try:
+        return msgspec.json.decode(value)["id"]
+    except msgspec.DecodeError:
+        return msgspec.msgpack.decode(value)["id"]

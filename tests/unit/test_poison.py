@@ -7,7 +7,7 @@ import time
 import pytest
 
 from schemas import DoneReply, ErrorReply, dlq
-from tests.unit.harness import CATALOG, J, M, MSGPACK, Memory, running, until
+from tests.unit.harness import CATALOG, J, M, MSGPACK, Memory, request_id_of, running, until
 from worker.fake_engine import FakeEngine
 
 DEEP = b"[" * 5000 + b"]" * 5000
@@ -65,17 +65,6 @@ class BoomEngine(FakeEngine):
         return super().prompt_ids(request)
 
 
-def expected_id(key, value):
-    import msgspec
-
-    if key:
-        return key.decode()
-    try:
-        return msgspec.json.decode(value)["id"]
-    except msgspec.DecodeError:
-        return msgspec.msgpack.decode(value)["id"]
-
-
 @pytest.mark.parametrize("cls", ["realtime", "standard", "batch"])
 async def test_every_poison_kind_is_answered_and_never_blocks(cls):
     mem = Memory(engine=BoomEngine())
@@ -91,7 +80,7 @@ async def test_every_poison_kind_is_answered_and_never_blocks(cls):
     for name, key, value, _, (route, code) in POISON:
         if route == "dlq":
             continue
-        got = finals.get(expected_id(key, value))
+        got = finals.get(request_id_of(key, value))
         assert got is not None and len(got) == 1, name
         if route == "done":
             assert isinstance(got[0], DoneReply), (name, got)

@@ -91,22 +91,24 @@ def slow_engine() -> FakeEngine:
     return FakeEngine(token_delay_s=0.05)
 
 
-async def test_intake_loop_failure(monkeypatch):
-    mem = Memory(engine=slow_engine(), drain_grace_s=1)
+async def started_busy(monkeypatch, engine=None, **overrides) -> tuple[Memory, Run]:
+    """A ready worker with one slow request in flight (so its drain, and its 503, last a while)."""
+    mem = Memory(engine=engine or slow_engine(), drain_grace_s=1, **overrides)
     run = Run(monkeypatch, mem)
     await run.ready()
     busy(mem)
     await asyncio.sleep(0.3)
+    return mem, run
+
+
+async def test_intake_loop_failure(monkeypatch):
+    mem, run = await started_busy(monkeypatch)
     mem.consumer.fail_next = RuntimeError("client bug")
     await run.fails_closed(time.monotonic(), "intake-")
 
 
 async def test_dispatch_failure(monkeypatch):
-    mem = Memory(engine=slow_engine(), drain_grace_s=1)
-    run = Run(monkeypatch, mem)
-    await run.ready()
-    busy(mem)
-    await asyncio.sleep(0.3)
+    mem, run = await started_busy(monkeypatch)
 
     def broken(now_ms):
         raise ZeroDivisionError("admission bug")
@@ -117,32 +119,21 @@ async def test_dispatch_failure(monkeypatch):
 
 
 async def test_commit_loop_failure(monkeypatch):
-    mem = Memory(engine=slow_engine(), drain_grace_s=1)
-    run = Run(monkeypatch, mem)
-    await run.ready()
-    busy(mem)
-    await asyncio.sleep(0.3)
+    mem, run = await started_busy(monkeypatch)
     mem.consumer.commit_error = RuntimeError("coordinator bug")
     mem.send("realtime", J({"id": "quick", "prompt": "x", "max_tokens": 1}), b"quick")
     await run.fails_closed(time.monotonic(), "commits failed")
 
 
 async def test_answer_writer_failure(monkeypatch):
-    mem = Memory(engine=slow_engine(), drain_grace_s=1)
-    run = Run(monkeypatch, mem)
-    await run.ready()
-    busy(mem)
+    mem, run = await started_busy(monkeypatch)
     mem.answers.fail_writer = RuntimeError("writer bug")
     mem.send("realtime", J({"id": "quick", "prompt": "x", "max_tokens": 1}), b"quick")
     await run.fails_closed(time.monotonic(), "answer-writer failed")
 
 
 async def test_producer_sender_failure(monkeypatch):
-    mem = Memory(engine=slow_engine(), drain_grace_s=1)
-    run = Run(monkeypatch, mem)
-    await run.ready()
-    busy(mem)
-    await asyncio.sleep(0.3)
+    mem, run = await started_busy(monkeypatch)
     mem.producer.crash(RuntimeError("sender died"))
     await run.fails_closed(time.monotonic(), "producer failed")
 
@@ -185,10 +176,7 @@ async def test_engine_health_check_failure(monkeypatch):
             if not self.healthy:
                 raise RuntimeError("EngineCore died")
 
-    mem = Memory(engine=Dying(token_delay_s=0.05), drain_grace_s=1)
-    run = Run(monkeypatch, mem)
-    await run.ready()
-    busy(mem)
+    mem, run = await started_busy(monkeypatch, engine=Dying(token_delay_s=0.05))
     mem.engine.healthy = False
     await run.fails_closed(time.monotonic(), "engine unhealthy")
 
@@ -205,11 +193,7 @@ async def test_stalled_engine(monkeypatch):
 
 
 async def test_intake_that_stops_polling(monkeypatch):
-    mem = Memory(engine=slow_engine(), intake_stall_s=1.0, drain_grace_s=1)
-    run = Run(monkeypatch, mem)
-    await run.ready()
-    busy(mem)
-    await asyncio.sleep(0.3)
+    mem, run = await started_busy(monkeypatch, intake_stall_s=1.0)
 
     async def hang(*tps, timeout_ms=0, max_records=None):
         await asyncio.Event().wait()
