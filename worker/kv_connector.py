@@ -16,6 +16,9 @@ pass; a page that is missing or fails a check is reported through
 instead. Saves copy each completed page out of every layer after the forward
 pass and hand it to a writer thread (pipelined SET with TTL), so Redis latency
 never stalls a step; if the writer falls behind, pages are dropped and counted.
+Every touch of device memory goes through `worker/kv_move.py` (gather on the device,
+copy to pinned host memory on a side stream, load by an indexed copy), so the same
+code serves CPU, CUDA and NPU caches of any layout listed there.
 
 Redis trouble is never fatal: after an error the connector stops talking to
 Redis for `retry_s` (lookups miss, saves are dropped) and then tries again.
@@ -41,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 from worker import kv_pages
+from worker.kv_move import PageMover
 from worker.redis_seeds import SeedNodes
 from worker.settings import KvSettings, RedisSettings
 
@@ -164,7 +168,10 @@ class SluiceKVConnector(KVConnectorBase_V1):
         self._counts: dict[str, int] = {}
         self._loaded: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._save_buf: dict[str, list[torch.Tensor]] = {}  # layer -> page tensors, this step
+        self._mover: PageMover | None = None  # built from the engine's KV caches (worker/kv_move.py)
+        self._layer_names: list[str] = []
+        self._save_buf: dict[str, torch.Tensor] = {}  # layer -> this step's pages, gathered on the device
+        self._save_index: torch.Tensor | None = None
         self._writer: queue.Queue | None = None
         self._max_queue = int(extra.get("max_queued_pages", 4096))
 
@@ -275,37 +282,58 @@ class SluiceKVConnector(KVConnectorBase_V1):
 
     # -- model-runner side -----------------------------------------------------
 
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._layer_names = sorted(kv_caches, key=_layer_order)
+        self._mover = PageMover([kv_caches[n] for n in self._layer_names], self._num_blocks(kv_caches))
+
+    def _num_blocks(self, kv_caches: dict[str, torch.Tensor]) -> int:
+        config = getattr(self, "_kv_cache_config", None)
+        if config is not None and getattr(config, "num_blocks", None):
+            return int(config.num_blocks)
+        return next(iter(kv_caches.values())).shape[0]  # no config: the block-first layout vLLM 0.32 uses
+
+    def _page_mover(self, forward_context=None) -> PageMover | None:
+        if self._mover is None:  # an engine that never called register_kv_caches
+            if forward_context is None:
+                from vllm.forward_context import get_forward_context
+
+                forward_context = get_forward_context()
+            caches = {name: layer.kv_cache for name, layer in forward_context.no_compile_layers.items()
+                      if isinstance(getattr(layer, "kv_cache", None), torch.Tensor)}
+            if caches:
+                self.register_kv_caches(caches)
+        return self._mover
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if not isinstance(meta, SluiceKVMetadata) or not meta.loads:
             return
-        layers = sorted(((name, layer.kv_cache) for name, layer in forward_context.no_compile_layers.items()
-                         if isinstance(getattr(layer, "kv_cache", None), torch.Tensor)), key=lambda x: _layer_order(x[0]))
-        if not layers:
+        mover = self._page_mover(forward_context)
+        if mover is None:
             return
-        sample = layers[0][1]
-        shape, dtype = tuple(sample.shape[1:]), sample.dtype
-        dtype_name = str(dtype).removeprefix("torch.")
+        dtype_name = str(mover.dtype).removeprefix("torch.")
         for transfer in meta.loads:
             values = self.redis.pipeline_run([("get", self._key(d)) for d, _ in transfer.pages])
-            good = 0
+            payloads, blocks = [], []
             for j, (digest, block) in enumerate(transfer.pages):
                 try:
                     if values is None:
                         raise kv_pages.PageError("unavailable")
-                    payload = kv_pages.decode(digest, values[j], dtype_name, shape, len(layers), sample.element_size())
+                    payload = kv_pages.decode(digest, values[j], dtype_name, mover.page_shape, len(mover.layers),
+                                              mover.dtype.itemsize)
                 except kv_pages.PageError as exc:
                     self._count(f"load_miss_{exc.reason}")
                     # this page and every later one are recomputed
                     self._load_errors.update(b for _, b in transfer.pages[j:])
                     break
-                pages = torch.frombuffer(bytearray(payload), dtype=dtype).view(len(layers), *shape)
-                for li, (_, kv) in enumerate(layers):
-                    kv[block].copy_(pages[li])
-                good += 1
-                self._count("loaded_pages")
-                self._count("loaded_bytes", len(payload))
-            self._loaded[transfer.req_id] = good
+                payloads.append(payload)
+                blocks.append(block)
+            if payloads:
+                # queued on the current stream, ahead of the forward pass that reads these blocks
+                mover.load(blocks, mover.host_pages(payloads))
+                self._count("loaded_pages", len(payloads))
+                self._count("loaded_bytes", sum(len(p) for p in payloads))
+            self._loaded[transfer.req_id] = len(payloads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -314,28 +342,29 @@ class SluiceKVConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if not isinstance(meta, SluiceKVMetadata) or not meta.saves:
             return
-        blocks = [b for t in meta.saves for _, b in t.pages]
-        # copy now: the blocks may be reused once the request finishes
-        self._save_buf[layer_name] = kv_layer[torch.tensor(blocks, dtype=torch.long)].clone()
+        mover = self._page_mover()
+        if mover is None:
+            return
+        if self._save_index is None:
+            self._save_index = mover.index([b for t in meta.saves for _, b in t.pages])
+        # a device-side copy now, on the forward's stream: the blocks may be reused once the request finishes
+        self._save_buf[layer_name] = mover.gather_layer(kv_layer, self._save_index)
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, SluiceKVMetadata) or not meta.saves or not self._save_buf:
-            self._save_buf.clear()
+        buf, self._save_buf, self._save_index = self._save_buf, {}, None
+        if not isinstance(meta, SluiceKVMetadata) or not meta.saves or not buf or self._mover is None:
             return
-        names = sorted(self._save_buf, key=_layer_order)
-        stacked = torch.stack([self._save_buf[n] for n in names], dim=1)  # [pages, layers, ...]
-        self._save_buf.clear()
+        names = sorted(buf, key=_layer_order)
+        # device -> pinned host on a side stream; the writer thread waits for the copy, not the forward pass
+        pending = self._mover.to_host([buf[n] for n in names])
         digests = [d for t in meta.saves for d, _ in t.pages]
-        shape = tuple(stacked.shape[2:])
-        dtype_name = str(stacked.dtype).removeprefix("torch.")
         writer = self._writer_queue()
         for i, digest in enumerate(digests):
             if writer.qsize() >= self._max_queue:
                 self._count("save_dropped")
                 continue
-            payload = stacked[i].contiguous().view(torch.uint8).numpy().tobytes()
-            writer.put((digest, kv_pages.encode(digest, dtype_name, shape, len(names), payload)))
+            writer.put((digest, pending, i, len(names)))
 
     def _writer_queue(self) -> queue.Queue:
         if self._writer is None:
@@ -345,6 +374,8 @@ class SluiceKVConnector(KVConnectorBase_V1):
 
     def _write_loop(self) -> None:
         q = self._writer
+        mover = self._mover
+        dtype_name = str(mover.dtype).removeprefix("torch.")
         while True:
             batch = [q.get()]
             while len(batch) < 64:
@@ -352,12 +383,17 @@ class SluiceKVConnector(KVConnectorBase_V1):
                     batch.append(q.get_nowait())
                 except queue.Empty:
                     break
-            done = self.redis.pipeline_run([("set", self._key(d), v, self.ttl_s) for d, v in batch])
+            values = []
+            for digest, pending, i, layers in batch:
+                pending.wait()
+                values.append((digest, kv_pages.encode(digest, dtype_name, mover.page_shape, layers,
+                                                       pending.page_bytes(i))))
+            done = self.redis.pipeline_run([("set", self._key(d), v, self.ttl_s) for d, v in values])
             if done is None:
-                self._count("save_failed", len(batch))
+                self._count("save_failed", len(values))
             else:
-                self._count("stored_pages", len(batch))
-                self._count("stored_bytes", sum(len(v) for _, v in batch))
+                self._count("stored_pages", len(values))
+                self._count("stored_bytes", sum(len(v) for _, v in values))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -152,20 +152,18 @@ class PageMover:
         the current one (which wrote the pages); the copy does not block the host or the
         forward pass. The returned `HostPages.wait()` is the only synchronisation.
         """
+        if self._side is None:  # CPU: the gathered pages already are host memory
+            return HostPages(torch.stack(per_layer, dim=1), None)
         current = _current_stream(self.device)
         with _stream_context(self._side):
-            if self._side is not None:
-                self._side.wait_stream(current)
+            self._side.wait_stream(current)
             stacked = torch.stack(per_layer, dim=1)
             host = _pinned(stacked.shape, stacked.dtype, self.device)
-            host.copy_(stacked, non_blocking=self._side is not None)
-            event = None
-            if self._side is not None:
-                for t in per_layer:
-                    t.record_stream(self._side)  # keep the gathered pages alive until the copy is done
-                stacked.record_stream(self._side)
-                event = torch.cuda.Event() if self.device.type == "cuda" else torch.npu.Event()  # type: ignore[attr-defined]
-                event.record(self._side)
+            host.copy_(stacked, non_blocking=True)
+            for t in per_layer:
+                t.record_stream(self._side)  # keep the gathered pages alive until the copy is done
+            event = torch.cuda.Event() if self.device.type == "cuda" else torch.npu.Event()  # type: ignore[attr-defined]
+            event.record(self._side)
         return HostPages(host, event)
 
     def save(self, blocks: list[int]) -> HostPages:
