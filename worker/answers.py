@@ -10,9 +10,11 @@ A request id is the producer's idempotency key. When a worker answers a request
 it stores the encoded final reply (`done` or `error`) with a TTL; a record that
 arrives again with the same id gets that stored reply re-sent instead of a second
 run. Lookups are pipelined per intake batch; writes are queued and pipelined by
-one background task, so neither holds an engine slot. A worker that dies between
-producing a reply and writing its answer leaves that id to be run again if it
-is repeated; the offset watermark does not depend on this store. Redis trouble degrades, never stops: every call has a short timeout, and
+one background task, so neither holds an engine slot. A record's offset is finished
+(and so committable) only once its answer is stored, or the write failed because
+Redis is degraded: a redelivered record then finds its answer instead of resuming
+past its end. A worker that dies between producing a reply and writing its answer
+leaves that record uncommitted; whoever reads it again runs it again. Redis trouble degrades, never stops: every call has a short timeout, and
 after a failure Redis is left alone for a back-off period while requests are
 served without the check.
 """
@@ -57,6 +59,12 @@ class Progress:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None  # unreadable progress: start over rather than guess
         return cls(chunks, scores) if chunks else None
+def _resolve(futures, ok: bool) -> None:
+    for fut in futures:
+        if not fut.done():
+            fut.set_result(ok)
+
+
 # RedisClusterException ("no reachable node") is not a RedisError.
 REDIS_DOWN = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 
@@ -78,7 +86,7 @@ class AnswerStore:
         self._client: RedisCluster | None = None
         self._down_until = 0.0
         self.available = False
-        self._pending: list[tuple[str, bytes, bool]] = []
+        self._pending: list[tuple[str, bytes, bool, asyncio.Future]] = []
         self._flush_wanted = asyncio.Event()
         self._writer: asyncio.Task | None = None
 
@@ -98,12 +106,20 @@ class AnswerStore:
         """The background answer writer (the worker's supervisor watches it)."""
         return self._writer
 
-    def put_later(self, request_id: str, final_reply: bytes, had_progress: bool = False, limit: int = 10_000) -> None:
-        """Queue an answer for the writer; bounded, oldest dropped first while Redis is away."""
-        self._pending.append((request_id, final_reply, had_progress))
+    def put_later(self, request_id: str, final_reply: bytes, had_progress: bool = False,
+                  limit: int = 10_000) -> asyncio.Future:
+        """Queue an answer for the writer; the future resolves once it is stored (True) or could not be (False).
+
+        Bounded: while Redis is away the oldest queued answers are dropped first (their futures say False).
+        """
+        done = asyncio.get_running_loop().create_future()
+        self._pending.append((request_id, final_reply, had_progress, done))
         if len(self._pending) > limit:
+            dropped = self._pending[: len(self._pending) - limit]
             del self._pending[: len(self._pending) - limit]
+            _resolve([item[3] for item in dropped], False)
         self._flush_wanted.set()
+        return done
 
     async def _write_loop(self) -> None:
         while True:
@@ -114,7 +130,12 @@ class AnswerStore:
 
     async def flush(self) -> None:
         batch, self._pending = self._pending, []
-        await self.put_many(batch)
+        try:
+            stored = await self.put_many([item[:3] for item in batch])
+        except BaseException:
+            _resolve([item[3] for item in batch], False)
+            raise
+        _resolve([item[3] for item in batch], stored)
 
     async def _connect(self) -> bool:
         client = None
@@ -224,7 +245,8 @@ class AnswerStore:
     async def put(self, request_id: str, final_reply: bytes) -> None:
         await self._call(lambda c: c.set(self.key(request_id), final_reply, ex=self.ttl_s))
 
-    async def put_many(self, items: list[tuple[str, bytes, bool]]) -> None:
+    async def put_many(self, items: list[tuple[str, bytes, bool]]) -> bool:
+        """Store answers (and drop their progress) in one pipelined round; False when Redis is degraded."""
         async def run(c):
             pipe = c.pipeline()
             for rid, payload, had_progress in items:
@@ -233,8 +255,9 @@ class AnswerStore:
                     pipe.delete(self.progress_key(rid))  # answered: nothing left to resume
             return await pipe.execute()
 
-        if items:
-            await self._call(run)
+        if not items:
+            return True
+        return await self._call(run) is not None
 
     async def ping(self) -> bool:
         return bool(await self._call(lambda c: c.ping()))

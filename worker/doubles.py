@@ -204,6 +204,7 @@ class MemoryAnswers:
         self.progress: dict[str, dict] = {}
         self.available = True
         self.fail_writer: Exception | None = None
+        self.hold: asyncio.Event | None = None
         self._writer: asyncio.Task | None = None
         self._wanted = asyncio.Event()
 
@@ -236,11 +237,21 @@ class MemoryAnswers:
                         Progress([c for _, c in sorted(chunks.items())]) if chunks else None))
         return out
 
-    def put_later(self, request_id: str, final_reply: bytes, had_progress: bool = False) -> None:
-        if self.available:
-            self.answers[request_id] = final_reply
-            self.progress.pop(request_id, None)
+    def put_later(self, request_id: str, final_reply: bytes, had_progress: bool = False) -> asyncio.Future:
+        """Stored once `hold` (an Event, if set by a test) allows; the future says whether it was stored."""
+        done = asyncio.get_running_loop().create_future()
+
+        async def write():
+            if self.hold is not None:
+                await self.hold.wait()
+            if self.available:
+                self.answers[request_id] = final_reply
+                self.progress.pop(request_id, None)
+            done.set_result(self.available)
+
+        asyncio.get_running_loop().create_task(write())
         self._wanted.set()
+        return done
 
     async def append_chunk(self, request_id, seq, token_ids, text, scores=None) -> None:
         if self.available:

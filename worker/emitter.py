@@ -66,10 +66,25 @@ class Emitter:
     def _headers(request_id: str) -> list[tuple[str, bytes]]:
         return [("x-request-id", request_id.encode()), (CONTENT_TYPE, JSON.encode())]
 
-    async def token(self, topic: str, reply: TokenReply) -> None:
-        fut = await self._producer.send(topic, self.codec.encode(reply), key=reply.id.encode(),
-                                        headers=self._headers(reply.id))
+    async def token(self, topic: str, reply: TokenReply) -> asyncio.Future:
+        """Send a token record without waiting for the broker; the future says whether it was delivered.
+
+        The caller awaits every such future before the request's `done` (see `Replies.settle_tokens`).
+        """
+        try:
+            fut = await self._producer.send(topic, self.codec.encode(reply), key=reply.id.encode(),
+                                            headers=self._headers(reply.id))
+        except KafkaError as exc:  # the producer's buffer stayed full (broker away): a failed delivery
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_exception(exc)
         fut.add_done_callback(_log_failure)
+        metrics.reply_records.labels("token").inc()
+        return fut
+
+    async def token_durably(self, topic: str, reply: TokenReply, retry_until=None) -> None:
+        """Send a token record and wait for the broker (a re-send after a failed delivery)."""
+        await self._send_durably(topic, self.codec.encode(reply), reply.id.encode(), self._headers(reply.id),
+                                 retry_until)
         metrics.reply_records.labels("token").inc()
 
     async def final(self, topic: str, reply, retry_until=None) -> bytes:

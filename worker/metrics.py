@@ -77,3 +77,12 @@ worker_failures = Counter("sluice_worker_failures_total",
 intake_errors = Counter("sluice_intake_errors_total",
                         "Records whose handling raised unexpectedly (answered `internal`), or fetches that failed",
                         ["class", "kind"], registry=REGISTRY)
+answers_unstored = Counter("sluice_answers_unstored_total",
+                           "Final replies whose answer could not be stored (Redis degraded): a repeat of the id runs again",
+                           registry=REGISTRY)
+token_resends = Counter("sluice_token_resends_total",
+                        "Token records sent again (and awaited) before `done` because a delivery failed",
+                        registry=REGISTRY)
+revoke_aborted = Counter("sluice_revoke_aborted_total",
+                         "Requests aborted because their partition was revoked (the new owner continues them)",
+                         registry=REGISTRY)

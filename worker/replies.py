@@ -7,6 +7,7 @@ Each is one method here, so counting, logging and storing answers happen in one 
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import msgspec
@@ -30,8 +31,29 @@ class Replies:
         outcome = final.code.value if isinstance(final, ErrorReply) else final.finish_reason
         metrics.requests_completed.labels(cls, outcome).inc()
         metrics.end_to_end.labels(cls).observe(max(0.0, time.time() - job.timestamp_ms / 1000))
-        self.answers.put_later(job.request.id, payload, had_progress=job.seq > 0)
+        stored = self.answers.put_later(job.request.id, payload, had_progress=job.seq > 0)
         log.info("request_answered", request_id=job.request.id, cls=cls, outcome=outcome, segments=job.segments)
+        if stored is not None and not await stored:
+            metrics.answers_unstored.inc()
+        # returning lets the record's offset be committed: only now is its answer stored (or Redis is away)
+
+    async def settle_tokens(self, job) -> None:
+        """A `done` goes out only after every token record before it was acknowledged. Records whose
+        delivery failed are sent again, in seq order from the first that failed, and awaited (same seq,
+        same text: a reader drops the repeats); a gap never reaches a reader silently."""
+        if not job.token_futures:
+            return
+        results = await asyncio.gather(*job.token_futures, return_exceptions=True)
+        job.token_futures.clear()
+        first = next((i for i, r in enumerate(results) if isinstance(r, BaseException)), None)
+        if first is None:
+            return
+        again = job.sent_tokens[first:]
+        metrics.token_resends.inc(len(again))
+        log.warning("token_records_failed", request_id=job.request.id, first_seq=again[0].seq, resending=len(again),
+                    error=repr(results[first])[:200])
+        for reply in again:
+            await self.emitter.token_durably(job.reply_to, reply, self.running)
 
     async def expire(self, job) -> None:
         await self.finish(job, ErrorReply(job.request.id, ErrorCode.DEADLINE_EXCEEDED,

@@ -45,6 +45,9 @@ class Job:
     label_ids: tuple[int, ...] = ()
     scores: dict[str, float] | None = None
     progress: object = None  # answers.Progress left by an earlier owner that died
+    # token records sent in this process and their delivery futures (awaited before `done`)
+    sent_tokens: list = field(default_factory=list)
+    token_futures: list = field(default_factory=list)
     resumed: bool = False
     suspend: asyncio.Event = field(default_factory=asyncio.Event)
     slot_released: bool = True  # set False while the job holds an engine slot
@@ -140,6 +143,7 @@ class Runner:
             log.exception("request_failed")
             final = ErrorReply(req.id, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")
         self.release_slot(job)
+        await self.replies.settle_tokens(job)
         await self.replies.finish(job, final)
 
     async def _resume(self, job: Job, log) -> None:
@@ -151,8 +155,7 @@ class Runner:
             job.generated.extend(ids)
             job.texts.append(text)
             # a repeat of what readers may already have: same seq, same text
-            await self.emitter.token(job.reply_to, TokenReply(job.request.id, job.seq, text, ids))
-            job.seq += 1
+            await self._send_token(job, TokenReply(job.request.id, job.seq, text, ids))
         metrics.resumed.labels(job.latency_class).inc()
         log.info("request_resumed", emitted_tokens=len(job.generated), next_seq=job.seq)
 
@@ -213,6 +216,11 @@ class Runner:
         return DoneReply(req.id, job.seq, "".join(job.texts), finish, Usage(len(job.prompt_ids), len(job.generated)),
                          scores=job.scores, resumed=job.resumed)
 
+    async def _send_token(self, job: Job, reply: TokenReply) -> None:
+        job.token_futures.append(await self.emitter.token(job.reply_to, reply))
+        job.sent_tokens.append(reply)
+        job.seq += 1
+
     @staticmethod
     def _scores(job: Job, logprobs: dict[int, float] | None) -> dict[str, float]:
         """Label probabilities: the model's distribution restricted to the labels, renormalised."""
@@ -249,6 +257,5 @@ class _Chunk:
             # write-ahead: whoever resumes this request re-sends exactly this record
             await self.runner.answers.append_chunk(job.request.id, job.seq, reply.token_ids, reply.text,
                                                    job.scores if job.seq == 0 else None)
-            await self.runner.emitter.token(job.reply_to, reply)
-            self.job.seq += 1
+            await self.runner._send_token(job, reply)
             self.texts, self.ids = [], []

@@ -125,6 +125,9 @@ class WorkerSettings(_Section):
     # Lower classes stay at their contended cap this long after a higher class had work.
     contention_hold_ms: NonNegative = 5000
     drain_grace_s: Annotated[float, Meta(ge=0)] = 30.0
+    # Requests of revoked partitions may finish this long before they are aborted (the new owner
+    # continues them from their progress). Kept short: every member waits for the slowest revoke.
+    revoke_grace_s: Annotated[float, Meta(ge=0)] = 2.0
     # Largest record sluice produces (replies, dead letters); Apache Kafka's default limit is 1 MB.
     max_produce_bytes: Annotated[int, Meta(ge=4096)] = 1_000_000
 

@@ -39,6 +39,8 @@ from worker.settings import Settings
 from worker.supervisor import Liveness, Supervisor, monitor
 
 log = structlog.get_logger("sluice.worker")
+# After the grace and the aborts, how long final replies already on their way may take.
+REVOKE_FINISH_S = 8.0
 
 
 def class_policy(topic: Topic) -> ClassPolicy:
@@ -189,17 +191,38 @@ class Worker:
 
     # -- rebalance ---------------------------------------------------------------
     async def _on_revoked(self, revoked: set) -> None:
-        """Give in-flight requests of revoked partitions a moment, commit, then let go."""
+        """Let go of revoked partitions before the group moves them (inside the rebalance timeout).
+
+        Waiting and suspended jobs are dropped (never started, or resumable from their progress).
+        Running requests get `SLUICE_REVOKE_GRACE_S` to finish; those still generating are then
+        aborted (cancelling the stream aborts them in the engine; every token record they sent has
+        its progress stored, so the new owner continues after it). Final replies already on their
+        way are awaited. Finished offsets are committed; unfinished ones are read again by the new
+        owner. Nothing of a revoked partition keeps running here, so a request never runs twice
+        in one process.
+        """
         if not revoked:
             return
         dropped = self.dispatch.drop(revoked)
-        end = time.monotonic() + min(10.0, self.settings.worker.drain_grace_s)
-        while time.monotonic() < end and any(tp in revoked for tp in self.dispatch.tasks.values()):
-            await asyncio.sleep(0.05)
+        tasks = [t for t, tp in self.dispatch.tasks.items() if tp in revoked]
+        aborted = 0
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self.settings.worker.revoke_grace_s)
+            for task in pending:
+                job = self.dispatch.engine_jobs.get(task)
+                if job is not None and not job.slot_released:  # still generating: abort it
+                    task.cancel()
+                    aborted += 1
+            if pending:
+                _, stuck = await asyncio.wait(pending, timeout=REVOKE_FINISH_S)
+                for task in stuck:  # a final reply the broker did not take in time: read again by the new owner
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
         await self.commits.commit(only=revoked)
         self.tracker.forget(revoked)
+        metrics.revoke_aborted.inc(aborted)
         log.info("partitions_revoked", partitions=sorted(f"{tp.topic}[{tp.partition}]" for tp in revoked),
-                 waiting_dropped=len(dropped))
+                 waiting_dropped=len(dropped), aborted=aborted)
 
     def in_flight(self) -> int:
         return self.dispatch.in_flight()

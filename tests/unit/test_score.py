@@ -4,6 +4,7 @@ The real-engine check (scores equal a direct log-probability computation) is in
 tests/integration/test_score.py.
 """
 
+import asyncio
 import math
 
 import pytest
@@ -22,6 +23,9 @@ class Collect:
 
     async def token(self, topic, reply):
         self.tokens.append(reply)
+        delivered = asyncio.get_running_loop().create_future()
+        delivered.set_result(None)
+        return delivered
 
     async def final(self, topic, reply, running):
         self.answer = reply

@@ -1,8 +1,9 @@
 """Commits, revoke and suspension through the stages over the in-memory doubles and the fake engine."""
 
 import asyncio
+import time
 
-from schemas import DoneReply, Request
+from schemas import DoneReply, Request, TokenReply
 from tests.unit.harness import CATALOG, J, Memory, running, until
 from worker.fake_engine import FakeEngine
 
@@ -76,3 +77,63 @@ async def test_realtime_suspends_batch_and_batch_streams_stay_gapless():
         mine = [t for t in tokens if t.id == f"b{i}"]
         assert [t.seq for t in mine] == list(range(done.seq))
         assert "".join(t.text for t in mine) == done.text
+
+
+async def test_revoke_aborts_running_requests_and_the_next_owner_continues_them():
+    mem = Memory(partitions=1, engine=FakeEngine(token_delay_s=0.02), revoke_grace_s=0.1)
+    mem.send("standard", J({"id": "long", "prompt": "x", "max_tokens": 100}), b"long")
+    async with running(mem) as w:
+        assert await until(lambda: len([t for t in mem.tokens() if t.id == "long"]) >= 5)
+        mine = w.consumer.assignment()
+        started = time.monotonic()
+        await mem.consumer.assign(set())  # a rebalance takes the partition away mid-stream
+        assert time.monotonic() - started < 2
+        assert not w.dispatch.tasks, "a task of the revoked partition still runs"
+        sent = len(mem.replies())
+        await asyncio.sleep(0.3)
+        assert len(mem.replies()) == sent  # the aborted attempt sends nothing more
+        assert not any(mem.broker.committed.values())
+        await mem.consumer.assign(mine)  # it comes back: read again, continued from its progress
+        assert await until(mem.all_committed, timeout=20)
+    (done,) = mem.finals()["long"]
+    assert done.resumed and done.usage.completion_tokens == 100
+    texts: dict[int, str] = {}
+    for t in mem.tokens():
+        assert texts.setdefault(t.seq, t.text) == t.text, f"seq {t.seq} repeated with other text"
+    assert sorted(texts) == list(range(done.seq))
+    assert "".join(texts[i] for i in range(done.seq)) == done.text
+
+
+async def test_a_failed_token_delivery_is_sent_again_before_done():
+    from aiokafka.errors import KafkaConnectionError
+
+    mem = Memory(partitions=1)
+    failed = []
+
+    def fail(topic, value):
+        if value and value.startswith(b'{"type":"token"') and b'"seq":3,' in value and not failed:
+            failed.append(value)
+            return KafkaConnectionError("lost on the way")
+        return None
+
+    mem.producer.fail = fail
+    mem.send("standard", J({"id": "t1", "prompt": "x", "max_tokens": 8}), b"t1")
+    async with running(mem):
+        assert await until(mem.all_committed)
+    assert failed
+    replies = [r for r in mem.replies() if r.id == "t1"]
+    at = next(i for i, r in enumerate(replies) if isinstance(r, DoneReply))
+    assert {r.seq for r in replies[:at] if isinstance(r, TokenReply)} == set(range(replies[at].seq))
+
+
+async def test_an_offset_is_committed_only_after_its_answer_is_stored():
+    mem = Memory(partitions=1)
+    mem.answers.hold = asyncio.Event()
+    mem.send("standard", J({"id": "a1", "prompt": "x", "max_tokens": 2}), b"a1")
+    async with running(mem):
+        assert await until(lambda: "a1" in mem.finals())
+        await asyncio.sleep(0.2)
+        assert not any(mem.broker.committed.values()), "committed before the answer was stored"
+        mem.answers.hold.set()
+        assert await until(mem.all_committed)
+    assert mem.answers.answers["a1"]
