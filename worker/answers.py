@@ -227,10 +227,13 @@ class AnswerStore:
             i += 2 if stream else 1
         return out
 
-    async def append_chunk(self, request_id: str, seq: int, token_ids: list[int], text: str,
-                           scores: dict[str, float] | None = None) -> None:
-        """Write-ahead: call before the token record with this seq is produced."""
-        fields = {f"c{seq}": _chunk_enc.encode((token_ids, text))}
+    async def append_chunks(self, request_id: str, chunks: list[tuple[int, list[int], str]],
+                            scores: dict[str, float] | None = None) -> bool:
+        """Write-ahead of token records (seq, token ids, text); True once stored, False while degraded.
+
+        A token record is produced only after this returned True for its chunk.
+        """
+        fields = {f"c{seq}": _chunk_enc.encode((token_ids, text)) for seq, token_ids, text in chunks}
         if scores is not None:
             fields["scores"] = _chunk_enc.encode(scores)
 
@@ -240,7 +243,7 @@ class AnswerStore:
             pipe.expire(self.progress_key(request_id), self.progress_ttl_s)
             return await pipe.execute()
 
-        await self._call(run)
+        return await self._call(run) is not None
 
     async def put(self, request_id: str, final_reply: bytes) -> None:
         await self._call(lambda c: c.set(self.key(request_id), final_reply, ex=self.ttl_s))

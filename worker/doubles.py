@@ -253,6 +253,8 @@ class MemoryAnswers:
         self._wanted.set()
         return done
 
-    async def append_chunk(self, request_id, seq, token_ids, text, scores=None) -> None:
+    async def append_chunks(self, request_id, chunks, scores=None) -> bool:
         if self.available:
-            self.progress.setdefault(request_id, {})[seq] = (list(token_ids), text)
+            for seq, token_ids, text in chunks:
+                self.progress.setdefault(request_id, {})[seq] = (list(token_ids), text)
+        return self.available

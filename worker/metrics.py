@@ -86,3 +86,6 @@ token_resends = Counter("sluice_token_resends_total",
 revoke_aborted = Counter("sluice_revoke_aborted_total",
                          "Requests aborted because their partition was revoked (the new owner continues them)",
                          registry=REGISTRY)
+tokens_held = Counter("sluice_tokens_held_total",
+                      "Token records held back because their progress could not be stored (Redis degraded)",
+                      registry=REGISTRY)

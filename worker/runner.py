@@ -48,6 +48,8 @@ class Job:
     # token records sent in this process and their delivery futures (awaited before `done`)
     sent_tokens: list = field(default_factory=list)
     token_futures: list = field(default_factory=list)
+    # token records held back because their progress could not be stored yet (Redis degraded)
+    unstored: list = field(default_factory=list)
     resumed: bool = False
     suspend: asyncio.Event = field(default_factory=asyncio.Event)
     slot_released: bool = True  # set False while the job holds an engine slot
@@ -143,6 +145,8 @@ class Runner:
             log.exception("request_failed")
             final = ErrorReply(req.id, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}")
         self.release_slot(job)
+        if job.unstored:  # Redis stayed away: what was held back goes out now, just before the done
+            await self._send_stored(job, force=True)
         await self.replies.settle_tokens(job)
         await self.replies.finish(job, final)
 
@@ -154,8 +158,9 @@ class Runner:
         for ids, text in progress.chunks:
             job.generated.extend(ids)
             job.texts.append(text)
-            # a repeat of what readers may already have: same seq, same text
+            # a repeat of what readers may already have: same seq, same text (stored already)
             await self._send_token(job, TokenReply(job.request.id, job.seq, text, ids))
+            job.seq += 1
         metrics.resumed.labels(job.latency_class).inc()
         log.info("request_resumed", emitted_tokens=len(job.generated), next_seq=job.seq)
 
@@ -219,7 +224,23 @@ class Runner:
     async def _send_token(self, job: Job, reply: TokenReply) -> None:
         job.token_futures.append(await self.emitter.token(job.reply_to, reply))
         job.sent_tokens.append(reply)
-        job.seq += 1
+
+    async def _send_stored(self, job: Job, force: bool = False) -> None:
+        """Store the progress of every held-back token record, then send them, in seq order.
+
+        Write-ahead: a record goes out only once its chunk is stored, so whoever resumes this
+        request re-sends exactly what readers may have. While Redis is degraded the records
+        wait on the job (the stream pauses); `force` sends them anyway, just before the done.
+        """
+        first = job.unstored[0]
+        stored = await self.answers.append_chunks(job.request.id, [(r.seq, r.token_ids, r.text) for r in job.unstored],
+                                                  job.scores if first.seq == 0 else None)
+        if not stored and not force:
+            metrics.tokens_held.inc()
+            return
+        held, job.unstored = job.unstored, []
+        for reply in held:
+            await self._send_token(job, reply)
 
     @staticmethod
     def _scores(job: Job, logprobs: dict[int, float] | None) -> dict[str, float]:
@@ -253,9 +274,7 @@ class _Chunk:
     async def flush(self) -> None:
         if self.ids:
             job = self.job
-            reply = TokenReply(job.request.id, job.seq, "".join(self.texts), self.ids)
-            # write-ahead: whoever resumes this request re-sends exactly this record
-            await self.runner.answers.append_chunk(job.request.id, job.seq, reply.token_ids, reply.text,
-                                                   job.scores if job.seq == 0 else None)
-            await self.runner._send_token(job, reply)
+            job.unstored.append(TokenReply(job.request.id, job.seq, "".join(self.texts), self.ids))
+            job.seq += 1
             self.texts, self.ids = [], []
+            await self.runner._send_stored(job)

@@ -137,3 +137,32 @@ async def test_an_offset_is_committed_only_after_its_answer_is_stored():
         mem.answers.hold.set()
         assert await until(mem.all_committed)
     assert mem.answers.answers["a1"]
+
+
+async def test_token_records_wait_for_their_progress_while_redis_is_away():
+    mem = Memory(partitions=1, engine=FakeEngine(token_delay_s=0.01))
+    mem.answers.available = False
+    mem.send("standard", J({"id": "h1", "prompt": "x", "max_tokens": 60}), b"h1")
+    async with running(mem):
+        await asyncio.sleep(0.3)  # generating while Redis is away
+        assert not mem.tokens(), "a token record went out before its progress was stored"
+        mem.answers.available = True
+        assert await until(lambda: len(mem.tokens()) > 0)
+        assert len(mem.answers.progress.get("h1", {})) >= len(mem.tokens())  # each one sent was stored first
+        assert await until(mem.all_committed)
+    (done,) = mem.finals()["h1"]
+    tokens = mem.tokens()
+    assert [t.seq for t in tokens] == list(range(done.seq))
+    assert "".join(t.text for t in tokens) == done.text
+
+
+async def test_held_back_token_records_go_out_before_done_if_redis_never_returns():
+    mem = Memory(partitions=1)
+    mem.answers.available = False
+    mem.send("standard", J({"id": "h2", "prompt": "x", "max_tokens": 12}), b"h2")
+    async with running(mem):
+        assert await until(mem.all_committed)
+    replies = [r for r in mem.replies() if r.id == "h2"]
+    assert isinstance(replies[-1], DoneReply)
+    assert [r.seq for r in replies[:-1]] == list(range(replies[-1].seq))
+    assert "".join(r.text for r in replies[:-1]) == replies[-1].text
