@@ -59,6 +59,16 @@ class Progress:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None  # unreadable progress: start over rather than guess
         return cls(chunks, scores) if chunks else None
+OWNER = "owner"  # progress hash field: the attempt that may add to it
+# Add chunks only for the owning attempt (ARGV[1]); ARGV[2] is the TTL, then field/value pairs.
+_APPEND_IF_OWNER = """
+if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+
 def _resolve(futures, ok: bool) -> None:
     for fut in futures:
         if not fut.done():
@@ -202,10 +212,14 @@ class AnswerStore:
         found = await self._call(run)
         return list(found) if found is not None else [None] * len(request_ids)
 
-    async def lookup_many(self, request_ids: list[str], streamed: list[bool]) -> list[tuple[bytes | None, Progress | None]]:
+    async def lookup_many(self, request_ids: list[str], streamed: list[bool],
+                          owners: list[str] | None = None) -> list[tuple[bytes | None, Progress | None]]:
         """(stored answer, progress) per id, one pipelined round; (None, None)s when degraded.
 
-        Only streamed requests write progress, so only theirs is looked up.
+        Only streamed requests write progress, so only theirs is read. With `owners`, each request
+        is also claimed for that attempt token (after its progress is read): from then on only
+        that attempt may add progress or answer it (`append_chunks`, `still_owner`), which fences
+        an earlier owner that was paused past its session timeout and wakes up still running it.
         """
         if not request_ids:
             return []
@@ -225,25 +239,43 @@ class AnswerStore:
         for stream in streamed:
             out.append((found[i], Progress.from_hash(found[i + 1]) if stream else None))
             i += 2 if stream else 1
+        # claim only what will run (an answered id is re-sent, and leaves no key behind)
+        claims = [(rid, owner) for rid, owner, (answer, _) in zip(request_ids, owners or (), out) if answer is None]
+        if claims:
+            async def claim(c):
+                pipe = c.pipeline()
+                for rid, owner in claims:
+                    pipe.hset(self.progress_key(rid), OWNER, owner)
+                    pipe.expire(self.progress_key(rid), self.progress_ttl_s)
+                return await pipe.execute()
+
+            await self._call(claim)
         return out
 
     async def append_chunks(self, request_id: str, chunks: list[tuple[int, list[int], str]],
-                            scores: dict[str, float] | None = None) -> bool:
-        """Write-ahead of token records (seq, token ids, text); True once stored, False while degraded.
+                            scores: dict[str, float] | None = None, owner: str | None = None) -> bool | None:
+        """Write-ahead of token records (seq, token ids, text): True once stored, None while Redis is
+        degraded, False when another attempt owns the request now (this one is fenced).
 
         A token record is produced only after this returned True for its chunk.
         """
         fields = {f"c{seq}": _chunk_enc.encode((token_ids, text)) for seq, token_ids, text in chunks}
         if scores is not None:
             fields["scores"] = _chunk_enc.encode(scores)
+        args = [owner or "", self.progress_ttl_s] + [x for kv in fields.items() for x in kv]
+        result = await self._call(lambda c: c.eval(_APPEND_IF_OWNER, 1, self.progress_key(request_id), *args))
+        return None if result is None else bool(result)
 
+    async def still_owner(self, request_id: str, owner: str) -> bool | None:
+        """Whether the attempt `owner` still owns the request: False once another attempt claimed it
+        (or answered it, which removes the claim); None while Redis is degraded (no fencing then)."""
         async def run(c):
-            pipe = c.pipeline()
-            pipe.hset(self.progress_key(request_id), mapping=fields)
-            pipe.expire(self.progress_key(request_id), self.progress_ttl_s)
-            return await pipe.execute()
+            return [await c.hget(self.progress_key(request_id), OWNER)]
 
-        return await self._call(run) is not None
+        found = await self._call(run)
+        if found is None:
+            return None
+        return found[0] is not None and found[0].decode() == owner
 
     async def put(self, request_id: str, final_reply: bytes) -> None:
         await self._call(lambda c: c.set(self.key(request_id), final_reply, ex=self.ttl_s))
@@ -255,7 +287,7 @@ class AnswerStore:
             for rid, payload, had_progress in items:
                 pipe.set(self.key(rid), payload, ex=self.ttl_s)
                 if had_progress:
-                    pipe.delete(self.progress_key(rid))  # answered: nothing left to resume
+                    pipe.delete(self.progress_key(rid))  # answered: nothing left to resume or fence
             return await pipe.execute()
 
         if not items:

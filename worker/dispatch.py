@@ -18,6 +18,7 @@ import structlog
 from worker import metrics
 from worker.engine import EngineDead
 from worker.policy import Running, Scheduler, choose_suspensions
+from worker.replies import Fenced
 from worker.runner import Job, Suspended
 
 log = structlog.get_logger("sluice.dispatch")
@@ -105,6 +106,13 @@ class Dispatcher:
         exc = task.exception()
         if exc is None:
             self.tracker.finish(tp, offset)
+            return
+        if isinstance(exc, Fenced):
+            # Another worker owns the request now; this attempt sent nothing more. The partition is
+            # no longer ours either (the revoke follows): the record is neither finished nor failed.
+            metrics.fenced.inc()
+            log.warning("attempt_fenced", request_id=exc.job.request.id, partition=getattr(tp, "partition", None),
+                        offset=offset)
             return
         if isinstance(exc, Suspended):
             if tp in self.tracker.partitions():  # still ours: wait for a slot again

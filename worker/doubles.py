@@ -202,6 +202,7 @@ class MemoryAnswers:
     def __init__(self):
         self.answers: dict[str, bytes] = {}
         self.progress: dict[str, dict] = {}
+        self.owners: dict[str, str] = {}  # request id -> the attempt that claimed it
         self.available = True
         self.fail_writer: Exception | None = None
         self.hold: asyncio.Event | None = None
@@ -227,15 +228,20 @@ class MemoryAnswers:
             self._writer.cancel()
             await asyncio.gather(self._writer, return_exceptions=True)
 
-    async def lookup_many(self, request_ids, streamed):
+    async def lookup_many(self, request_ids, streamed, owners=None):
         if not self.available:
             return [(None, None)] * len(request_ids)
         out = []
-        for rid, stream in zip(request_ids, streamed):
+        for i, (rid, stream) in enumerate(zip(request_ids, streamed)):
             chunks = self.progress.get(rid) if stream else None
             out.append((self.answers.get(rid),
                         Progress([c for _, c in sorted(chunks.items())]) if chunks else None))
+            if owners is not None and self.answers.get(rid) is None:
+                self.owners[rid] = owners[i]
         return out
+
+    async def still_owner(self, request_id, owner):
+        return self.owners.get(request_id) == owner if self.available else None
 
     def put_later(self, request_id: str, final_reply: bytes, had_progress: bool = False) -> asyncio.Future:
         """Stored once `hold` (an Event, if set by a test) allows; the future says whether it was stored."""
@@ -247,14 +253,18 @@ class MemoryAnswers:
             if self.available:
                 self.answers[request_id] = final_reply
                 self.progress.pop(request_id, None)
+                self.owners.pop(request_id, None)
             done.set_result(self.available)
 
         asyncio.get_running_loop().create_task(write())
         self._wanted.set()
         return done
 
-    async def append_chunks(self, request_id, chunks, scores=None) -> bool:
-        if self.available:
-            for seq, token_ids, text in chunks:
-                self.progress.setdefault(request_id, {})[seq] = (list(token_ids), text)
-        return self.available
+    async def append_chunks(self, request_id, chunks, scores=None, owner=None):
+        if not self.available:
+            return None
+        if owner and self.owners.get(request_id) != owner:
+            return False  # another attempt owns it now
+        for seq, token_ids, text in chunks:
+            self.progress.setdefault(request_id, {})[seq] = (list(token_ids), text)
+        return True

@@ -16,6 +16,10 @@ a loop stops polling.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
+import socket
+import uuid
 
 import structlog
 from aiokafka.errors import CorruptRecordException, KafkaError
@@ -50,6 +54,9 @@ class Intake:
         self.default_reply_topic = default_reply_topic
         self.poll_ms = poll_ms
         self.stopping = stopping  # belt and braces beside cancellation
+        # attempt tokens: unique per job run, across processes and restarts
+        self.owner_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._attempts = itertools.count()
         self.paused: dict[str, bool] = {}
 
     async def run(self, topic: Topic, policy) -> None:
@@ -161,13 +168,17 @@ class Intake:
 
     async def _schedule(self, cls: str, jobs: list[Job]) -> None:
         """Stored answers are re-sent; progress left by a dead owner rides along; the rest wait for admission."""
-        stored = await self.answers.lookup_many([job.request.id for job in jobs], [job.request.stream for job in jobs])
+        owners = [f"{self.owner_id}#{next(self._attempts)}" for _ in jobs]
+        stored = await self.answers.lookup_many([job.request.id for job in jobs], [job.request.stream for job in jobs],
+                                                owners)
+        claimed = self.answers.available  # the claims went through: these attempts can be fenced
         owned = set(self.tracker.partitions())  # a rebalance may have run during the lookup
-        for job, (answer, progress) in zip(jobs, stored):
+        for job, owner, (answer, progress) in zip(jobs, owners, stored):
             if job.tp not in owned:
                 continue
             try:
                 job.progress = progress  # an earlier owner died mid-stream: continue after its last token
+                job.owner = owner if claimed and answer is None else ""  # an answered id was not claimed
                 reply = self.replies.decode_stored(answer) if answer is not None else None
                 if reply is not None:
                     self.dispatcher.spawn(self.replies.resend(job, reply), cls, job.tp, job.offset)

@@ -89,3 +89,6 @@ revoke_aborted = Counter("sluice_revoke_aborted_total",
 tokens_held = Counter("sluice_tokens_held_total",
                       "Token records held back because their progress could not be stored (Redis degraded)",
                       registry=REGISTRY)
+fenced = Counter("sluice_attempts_fenced_total",
+                 "Attempts stopped because another worker claimed their request (this one was paused too long)",
+                 registry=REGISTRY)

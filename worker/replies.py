@@ -19,6 +19,15 @@ from worker import metrics
 log = structlog.get_logger("sluice.replies")
 
 
+class Fenced(Exception):
+    """Another attempt owns the request now (this worker was paused past its session timeout and
+    the group gave the partition away): this attempt stops without sending anything more."""
+
+    def __init__(self, job):
+        super().__init__(job.request.id)
+        self.job = job
+
+
 class Replies:
     def __init__(self, emitter, answers, default_topic: str, running):
         self.emitter, self.answers, self.default_topic = emitter, answers, default_topic
@@ -27,11 +36,13 @@ class Replies:
     async def finish(self, job, final) -> None:
         """The final reply of a request that was admitted (or expired); stores it as the id's answer."""
         cls = job.latency_class
+        if job.owner and await self.answers.still_owner(job.request.id, job.owner) is False:
+            raise Fenced(job)  # another worker took the request over while this one was paused
         payload = await self.emitter.final(job.reply_to, final, self.running)
         outcome = final.code.value if isinstance(final, ErrorReply) else final.finish_reason
         metrics.requests_completed.labels(cls, outcome).inc()
         metrics.end_to_end.labels(cls).observe(max(0.0, time.time() - job.timestamp_ms / 1000))
-        stored = self.answers.put_later(job.request.id, payload, had_progress=job.seq > 0)
+        stored = self.answers.put_later(job.request.id, payload, had_progress=job.seq > 0 or bool(job.owner))
         log.info("request_answered", request_id=job.request.id, cls=cls, outcome=outcome, segments=job.segments)
         if stored is not None and not await stored:
             metrics.answers_unstored.inc()

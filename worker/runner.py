@@ -22,7 +22,7 @@ from worker import metrics
 from worker.answers import AnswerStore
 from worker.emitter import Emitter
 from worker.engine import Engine, EngineDead, GenParams
-from worker.replies import Replies
+from worker.replies import Fenced, Replies
 
 
 @dataclass
@@ -50,6 +50,7 @@ class Job:
     token_futures: list = field(default_factory=list)
     # token records held back because their progress could not be stored yet (Redis degraded)
     unstored: list = field(default_factory=list)
+    owner: str = ""  # the attempt token this job claimed in Redis ("" when the claim could not be made)
     resumed: bool = False
     suspend: asyncio.Event = field(default_factory=asyncio.Event)
     slot_released: bool = True  # set False while the job holds an engine slot
@@ -139,7 +140,7 @@ class Runner:
             final = await self._generate(job, self.params(req, len(job.prompt_ids), job.label_ids), log)
         except Rejected as exc:
             final = ErrorReply(req.id, exc.code, exc.message)
-        except (EngineDead, Suspended, asyncio.CancelledError):
+        except (EngineDead, Suspended, Fenced, asyncio.CancelledError):
             raise
         except Exception as exc:  # one request's failure never stops the worker
             log.exception("request_failed")
@@ -178,9 +179,19 @@ class Runner:
         params = GenParams(remaining, params.temperature, params.top_p, params.seed, params.stop,
                            job.label_ids if want_scores else (), tenant=req.tenant, save_pages=not scores_only)
         chunk = _Chunk(self, job) if req.stream and not scores_only else None
+        prefix_len = len(job.prompt_ids) + len(job.generated)  # this segment's prompt, as the engine sees it
+        try:
+            return await self._stream(job, params, engine_id, chunk, want_scores, scores_only, prefix_len, log)
+        except Fenced:
+            await self.engine.abort(engine_id)
+            raise
+
+    async def _stream(self, job: Job, params: GenParams, engine_id: str, chunk, want_scores: bool, scores_only: bool,
+                      prefix_len: int, log) -> DoneReply:
+        """The engine's deltas for this segment: scores, token records, the finish (or a suspension)."""
+        req, cls = job.request, job.latency_class
         finish = "stop"
         new_tokens = 0
-        prefix_len = len(job.prompt_ids) + len(job.generated)  # this segment's prompt, as the engine sees it
         async for delta in self.engine.generate(engine_id, job.prompt_ids + job.generated, params, job.priority):
             self.on_progress()
             if want_scores and job.scores is None:
@@ -234,7 +245,9 @@ class Runner:
         """
         first = job.unstored[0]
         stored = await self.answers.append_chunks(job.request.id, [(r.seq, r.token_ids, r.text) for r in job.unstored],
-                                                  job.scores if first.seq == 0 else None)
+                                                  job.scores if first.seq == 0 else None, owner=job.owner)
+        if stored is False:
+            raise Fenced(job)
         if not stored and not force:
             metrics.tokens_held.inc()
             return

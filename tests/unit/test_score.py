@@ -36,7 +36,7 @@ class NoAnswers:
     def put_later(self, rid, payload, had_progress=False):
         pass
 
-    async def append_chunks(self, *args):
+    async def append_chunks(self, *args, owner=None):
         return True
 
 

@@ -166,3 +166,53 @@ async def test_held_back_token_records_go_out_before_done_if_redis_never_returns
     assert isinstance(replies[-1], DoneReply)
     assert [r.seq for r in replies[:-1]] == list(range(replies[-1].seq))
     assert "".join(r.text for r in replies[:-1]) == replies[-1].text
+
+
+class Pausable(FakeEngine):
+    """Generates while `running` is set: clearing it freezes the engine like a SIGSTOPped worker."""
+
+    def __init__(self):
+        super().__init__(token_delay_s=0.005)
+        self.running = asyncio.Event()
+        self.running.set()
+
+    async def generate(self, request_id, prompt_ids, params, priority):
+        async for d in super().generate(request_id, prompt_ids, params, priority):
+            await self.running.wait()
+            yield d
+
+
+async def test_a_worker_that_wakes_after_its_request_moved_sends_nothing_more():
+    """Worker A is frozen mid-stream; the group gives its partition to B, which continues the request
+    from A's progress and answers it. When A wakes up it still holds the request: its next write is
+    refused (B claimed the request), so A stops without a token or a done."""
+    from worker.doubles import MemoryConsumer
+
+    mem = Memory(partitions=1, engine=Pausable())
+    mem.send("standard", J({"id": "z1", "prompt": "x", "max_tokens": 80}), b"z1")
+    a = mem.worker()
+    await a.start()
+    try:
+        assert await until(lambda: len(mem.tokens()) >= 5)
+        mem.engine.running.clear()  # A freezes, past its session timeout
+        # B: its own consumer and engine; the same broker and Redis
+        b = type(a)(mem.settings, CATALOG, FakeEngine(), consumer=MemoryConsumer(mem.broker),
+                    producer=mem.producer, answers=mem.answers)
+        await b.start()
+        try:
+            assert await until(lambda: "z1" in mem.finals(), timeout=10)
+            sent = len(mem.replies())
+            mem.engine.running.set()  # A wakes up, still holding z1
+            await asyncio.sleep(0.5)
+            assert len(mem.replies()) == sent, "the woken worker sent more records"
+            assert a.ready  # fenced is not a failure: the revoke that follows lets the partition go
+        finally:
+            await b.stop(grace_s=1)
+    finally:
+        await a.stop(grace_s=1)
+    (done,) = mem.finals()["z1"]
+    assert done.resumed
+    texts: dict[int, str] = {}
+    for t in mem.tokens():
+        assert texts.setdefault(t.seq, t.text) == t.text, f"seq {t.seq} repeated with other text"
+    assert sorted(texts) == list(range(done.seq)) and "".join(texts[i] for i in range(done.seq)) == done.text
