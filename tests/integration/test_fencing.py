@@ -1,0 +1,31 @@
+"""Claims and fencing in the real Redis Cluster (the Lua write-if-owner script and the claim pipeline)."""
+
+import uuid
+
+import pytest
+
+from worker.answers import AnswerStore
+
+pytestmark = pytest.mark.integration
+
+
+async def test_a_later_claim_fences_the_earlier_attempt(settings):
+    store = AnswerStore(settings.redis.url, f"fence-{uuid.uuid4().hex[:6]}", 60, settings.redis.timeout_ms)
+    await store.start()
+    try:
+        assert await store.lookup_many(["r1"], [True], ["A#1"]) == [(None, None)]
+        assert await store.append_chunks("r1", [(0, [1, 2], "hi")], {"fraud": 0.5}, owner="A#1") is True
+        # the group moved the partition: B reads the record, finds A's progress, claims the request
+        (answer, progress), = await store.lookup_many(["r1"], [True], ["B#7"])
+        assert answer is None and progress.chunks == [([1, 2], "hi")] and progress.scores == {"fraud": 0.5}
+        assert await store.append_chunks("r1", [(1, [3], "A's")], owner="A#1") is False  # A is fenced
+        assert await store.still_owner("r1", "A#1") is False
+        assert await store.append_chunks("r1", [(1, [4], "B's")], owner="B#7") is True
+        assert await store.still_owner("r1", "B#7") is True
+        assert await store.put_later("r1", b'{"type":"done"}', had_progress=True) is True
+        assert await store.still_owner("r1", "B#7") is False  # answered: nobody may add to it any more
+        (answer, progress), = await store.lookup_many(["r1"], [True], ["C#1"])
+        assert answer == b'{"type":"done"}' and progress is None
+        assert await store.still_owner("r1", "C#1") is False  # an answered id is not claimed again
+    finally:
+        await store.stop()
