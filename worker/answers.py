@@ -59,12 +59,21 @@ class Progress:
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None  # unreadable progress: start over rather than guess
         return cls(chunks, scores) if chunks else None
-OWNER = "owner"  # progress hash field: the attempt that may add to it
-# Add chunks only for the owning attempt (ARGV[1]); ARGV[2] is the TTL, then field/value pairs.
+# Fencing: each run of a request claims it (`SET owner`); progress and the answer are written only
+# by the run that holds the claim. KEYS[1] is the owner key; an empty owner (ARGV[1]) writes anyway
+# (the claim could not be made: Redis was away then).
+# Progress: KEYS[2] the progress hash; ARGV[2] the TTL, then field/value pairs.
 _APPEND_IF_OWNER = """
-if ARGV[1] ~= '' and redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
-redis.call('EXPIRE', KEYS[1], ARGV[2])
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[2], unpack(ARGV, 3))
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return 1
+"""
+# Answer: KEYS[2] the answer, KEYS[3] the progress (removed with the claim); ARGV[2] the answer, ARGV[3] its TTL.
+_ANSWER_IF_OWNER = """
+if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
+redis.call('DEL', KEYS[1], KEYS[3])
 return 1
 """
 
@@ -107,6 +116,9 @@ class AnswerStore:
     def progress_key(self, request_id: str) -> str:
         return f"{self.prefix}:req:{{{request_id}}}:progress"
 
+    def owner_key(self, request_id: str) -> str:
+        return f"{self.prefix}:req:{{{request_id}}}:owner"
+
     async def start(self) -> None:
         await self._connect()
         self._writer = asyncio.create_task(self._write_loop(), name="sluice-answers-writer")
@@ -116,18 +128,19 @@ class AnswerStore:
         """The background answer writer (the worker's supervisor watches it)."""
         return self._writer
 
-    def put_later(self, request_id: str, final_reply: bytes, had_progress: bool = False,
-                  limit: int = 10_000) -> asyncio.Future:
-        """Queue an answer for the writer; the future resolves once it is stored (True) or could not be (False).
+    def put_later(self, request_id: str, final_reply: bytes, owner: str = "", limit: int = 10_000) -> asyncio.Future:
+        """Queue an answer for the writer. The future resolves True once it is stored, False when
+        another run owns the request now (this one is fenced: nothing was stored), None when it
+        could not be stored (Redis degraded, or dropped from a full queue while Redis was away).
 
-        Bounded: while Redis is away the oldest queued answers are dropped first (their futures say False).
+        Storing an answer also removes the request's progress and claim.
         """
         done = asyncio.get_running_loop().create_future()
-        self._pending.append((request_id, final_reply, had_progress, done))
+        self._pending.append((request_id, final_reply, owner, done))
         if len(self._pending) > limit:
             dropped = self._pending[: len(self._pending) - limit]
             del self._pending[: len(self._pending) - limit]
-            _resolve([item[3] for item in dropped], False)
+            _resolve([item[3] for item in dropped], None)
         self._flush_wanted.set()
         return done
 
@@ -140,12 +153,16 @@ class AnswerStore:
 
     async def flush(self) -> None:
         batch, self._pending = self._pending, []
+        if not batch:
+            return
         try:
-            stored = await self.put_many([item[:3] for item in batch])
+            results = await self.put_many([item[:3] for item in batch])
         except BaseException:
-            _resolve([item[3] for item in batch], False)
+            _resolve([item[3] for item in batch], None)
             raise
-        _resolve([item[3] for item in batch], stored)
+        for item, ok in zip(batch, results):
+            if not item[3].done():
+                item[3].set_result(ok)
 
     async def _connect(self) -> bool:
         client = None
@@ -218,7 +235,7 @@ class AnswerStore:
 
         Only streamed requests write progress, so only theirs is read. With `owners`, each request
         is also claimed for that attempt token (after its progress is read): from then on only
-        that attempt may add progress or answer it (`append_chunks`, `still_owner`), which fences
+        that attempt may add progress or store the answer (`append_chunks`, `put_later`), which fences
         an earlier owner that was paused past its session timeout and wakes up still running it.
         """
         if not request_ids:
@@ -245,8 +262,7 @@ class AnswerStore:
             async def claim(c):
                 pipe = c.pipeline()
                 for rid, owner in claims:
-                    pipe.hset(self.progress_key(rid), OWNER, owner)
-                    pipe.expire(self.progress_key(rid), self.progress_ttl_s)
+                    pipe.set(self.owner_key(rid), owner, ex=self.progress_ttl_s)
                 return await pipe.execute()
 
             await self._call(claim)
@@ -263,36 +279,25 @@ class AnswerStore:
         if scores is not None:
             fields["scores"] = _chunk_enc.encode(scores)
         args = [owner or "", self.progress_ttl_s] + [x for kv in fields.items() for x in kv]
-        result = await self._call(lambda c: c.eval(_APPEND_IF_OWNER, 1, self.progress_key(request_id), *args))
+        result = await self._call(lambda c: c.eval(_APPEND_IF_OWNER, 2, self.owner_key(request_id),
+                                                   self.progress_key(request_id), *args))
         return None if result is None else bool(result)
-
-    async def still_owner(self, request_id: str, owner: str) -> bool | None:
-        """Whether the attempt `owner` still owns the request: False once another attempt claimed it
-        (or answered it, which removes the claim); None while Redis is degraded (no fencing then)."""
-        async def run(c):
-            return [await c.hget(self.progress_key(request_id), OWNER)]
-
-        found = await self._call(run)
-        if found is None:
-            return None
-        return found[0] is not None and found[0].decode() == owner
 
     async def put(self, request_id: str, final_reply: bytes) -> None:
         await self._call(lambda c: c.set(self.key(request_id), final_reply, ex=self.ttl_s))
 
-    async def put_many(self, items: list[tuple[str, bytes, bool]]) -> bool:
-        """Store answers (and drop their progress) in one pipelined round; False when Redis is degraded."""
+    async def put_many(self, items: list[tuple[str, bytes, str]]) -> list[bool | None]:
+        """Store (id, answer, owner) in one pipelined round, each only if `owner` still owns the id
+        ("" stores unconditionally); per item True / False (fenced) / None (Redis degraded)."""
         async def run(c):
             pipe = c.pipeline()
-            for rid, payload, had_progress in items:
-                pipe.set(self.key(rid), payload, ex=self.ttl_s)
-                if had_progress:
-                    pipe.delete(self.progress_key(rid))  # answered: nothing left to resume or fence
+            for rid, payload, owner in items:
+                pipe.eval(_ANSWER_IF_OWNER, 3, self.owner_key(rid), self.key(rid), self.progress_key(rid),
+                          owner, payload, self.ttl_s)
             return await pipe.execute()
 
-        if not items:
-            return True
-        return await self._call(run) is not None
+        found = await self._call(run)
+        return [None] * len(items) if found is None else [bool(x) for x in found]
 
     async def ping(self) -> bool:
         return bool(await self._call(lambda c: c.ping()))

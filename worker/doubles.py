@@ -240,21 +240,23 @@ class MemoryAnswers:
                 self.owners[rid] = owners[i]
         return out
 
-    async def still_owner(self, request_id, owner):
-        return self.owners.get(request_id) == owner if self.available else None
-
-    def put_later(self, request_id: str, final_reply: bytes, had_progress: bool = False) -> asyncio.Future:
-        """Stored once `hold` (an Event, if set by a test) allows; the future says whether it was stored."""
+    def put_later(self, request_id: str, final_reply: bytes, owner: str = "") -> asyncio.Future:
+        """Stored once `hold` (an Event, if set by a test) allows; resolves as AnswerStore's does:
+        True stored, False fenced (another run owns the id), None Redis away."""
         done = asyncio.get_running_loop().create_future()
 
         async def write():
             if self.hold is not None:
                 await self.hold.wait()
-            if self.available:
+            if not self.available:
+                done.set_result(None)
+            elif owner and self.owners.get(request_id) != owner:
+                done.set_result(False)
+            else:
                 self.answers[request_id] = final_reply
                 self.progress.pop(request_id, None)
                 self.owners.pop(request_id, None)
-            done.set_result(self.available)
+                done.set_result(True)
 
         asyncio.get_running_loop().create_task(write())
         self._wanted.set()

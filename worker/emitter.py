@@ -87,6 +87,12 @@ class Emitter:
                                  retry_until)
         metrics.reply_records.labels("token").inc()
 
+    def encode_final(self, reply) -> tuple[object, bytes]:
+        """The final reply as it goes on the wire (error messages capped) and its bytes."""
+        if isinstance(reply, ErrorReply):
+            reply = ErrorReply(reply.id, reply.code, cap(reply.message))
+        return reply, self.codec.encode(reply)
+
     async def final(self, topic: str, reply, retry_until=None) -> bytes:
         """Send `done`/`error` and wait for the broker; returns the bytes sent.
 
@@ -96,9 +102,7 @@ class Emitter:
         A reply the broker refuses outright (too large, say) is replaced by an
         `internal` error, so no record can make every worker that reads it fail.
         """
-        if isinstance(reply, ErrorReply):
-            reply = ErrorReply(reply.id, reply.code, cap(reply.message))
-        payload = self.codec.encode(reply)
+        reply, payload = self.encode_final(reply)
         key, headers = reply.id.encode(), self._headers(reply.id)
         own_topic = self.default_reply_topic is not None and topic != self.default_reply_topic
         try:

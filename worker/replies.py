@@ -34,19 +34,25 @@ class Replies:
         self.running = running  # callable: keep retrying produces while true
 
     async def finish(self, job, final) -> None:
-        """The final reply of a request that was admitted (or expired); stores it as the id's answer."""
+        """The final reply of a request that was admitted (or expired).
+
+        Its answer is stored first, and only if this run still owns the request (fencing); then
+        the reply is produced. A worker that dies in between leaves the record uncommitted, and
+        whoever reads it again finds the answer and re-sends the same reply.
+        """
         cls = job.latency_class
-        if job.owner and await self.answers.still_owner(job.request.id, job.owner) is False:
+        final, payload = self.emitter.encode_final(final)
+        stored = self.answers.put_later(job.request.id, payload, job.owner)
+        stored = await stored if stored is not None else None
+        if stored is False:
             raise Fenced(job)  # another worker took the request over while this one was paused
-        payload = await self.emitter.final(job.reply_to, final, self.running)
+        if stored is None:
+            metrics.answers_unstored.inc()
+        await self.emitter.final(job.reply_to, final, self.running)
         outcome = final.code.value if isinstance(final, ErrorReply) else final.finish_reason
         metrics.requests_completed.labels(cls, outcome).inc()
         metrics.end_to_end.labels(cls).observe(max(0.0, time.time() - job.timestamp_ms / 1000))
-        stored = self.answers.put_later(job.request.id, payload, had_progress=job.seq > 0 or bool(job.owner))
         log.info("request_answered", request_id=job.request.id, cls=cls, outcome=outcome, segments=job.segments)
-        if stored is not None and not await stored:
-            metrics.answers_unstored.inc()
-        # returning lets the record's offset be committed: only now is its answer stored (or Redis is away)
 
     async def settle_tokens(self, job) -> None:
         """A `done` goes out only after every token record before it was acknowledged. Records whose

@@ -19,13 +19,11 @@ async def test_a_later_claim_fences_the_earlier_attempt(settings):
         (answer, progress), = await store.lookup_many(["r1"], [True], ["B#7"])
         assert answer is None and progress.chunks == [([1, 2], "hi")] and progress.scores == {"fraud": 0.5}
         assert await store.append_chunks("r1", [(1, [3], "A's")], owner="A#1") is False  # A is fenced
-        assert await store.still_owner("r1", "A#1") is False
+        assert await store.put_later("r1", b'{"type":"done","by":"A"}', "A#1") is False  # and cannot answer
         assert await store.append_chunks("r1", [(1, [4], "B's")], owner="B#7") is True
-        assert await store.still_owner("r1", "B#7") is True
-        assert await store.put_later("r1", b'{"type":"done"}', had_progress=True) is True
-        assert await store.still_owner("r1", "B#7") is False  # answered: nobody may add to it any more
+        assert await store.put_later("r1", b'{"type":"done"}', "B#7") is True
         (answer, progress), = await store.lookup_many(["r1"], [True], ["C#1"])
-        assert answer == b'{"type":"done"}' and progress is None
-        assert await store.still_owner("r1", "C#1") is False  # an answered id is not claimed again
+        assert answer == b'{"type":"done"}' and progress is None  # answered: progress and claim are gone
+        assert await store.append_chunks("r1", [(0, [5], "late")], owner="B#7") is False
     finally:
         await store.stop()

@@ -27,13 +27,16 @@ class Collect:
         delivered.set_result(None)
         return delivered
 
+    def encode_final(self, reply):
+        return reply, b""
+
     async def final(self, topic, reply, running):
         self.answer = reply
         return b""
 
 
 class NoAnswers:
-    def put_later(self, rid, payload, had_progress=False):
+    def put_later(self, rid, payload, owner=""):
         pass
 
     async def append_chunks(self, *args, owner=None):

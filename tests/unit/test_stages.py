@@ -126,17 +126,20 @@ async def test_a_failed_token_delivery_is_sent_again_before_done():
     assert {r.seq for r in replies[:at] if isinstance(r, TokenReply)} == set(range(replies[at].seq))
 
 
-async def test_an_offset_is_committed_only_after_its_answer_is_stored():
+async def test_the_final_reply_and_its_commit_wait_for_the_stored_answer():
+    """The answer is stored before the final reply is produced (fenced runs store nothing and send
+    nothing), and the offset is committed after both: a redelivery always finds the answer."""
     mem = Memory(partitions=1)
     mem.answers.hold = asyncio.Event()
     mem.send("standard", J({"id": "a1", "prompt": "x", "max_tokens": 2}), b"a1")
     async with running(mem):
-        assert await until(lambda: "a1" in mem.finals())
+        assert await until(lambda: len(mem.tokens()) == 2)
         await asyncio.sleep(0.2)
+        assert "a1" not in mem.finals(), "the final reply went out before its answer was stored"
         assert not any(mem.broker.committed.values()), "committed before the answer was stored"
         mem.answers.hold.set()
         assert await until(mem.all_committed)
-    assert mem.answers.answers["a1"]
+    assert mem.answers.answers["a1"] and "a1" in mem.finals()
 
 
 async def test_token_records_wait_for_their_progress_while_redis_is_away():
