@@ -53,24 +53,7 @@ kv_lookups_unavailable = Counter("sluice_kv_lookups_unavailable_total",
 resumed = Counter("sluice_requests_resumed_total", "Requests continued from another worker's progress",
                   ["class"], registry=REGISTRY)
 
-
-def record_kv(cls: str, prompt_len: int, cached_tokens: int, kv: dict | None) -> None:
-    """Account one finished request's prefill and the connector counts it carried."""
-    loaded = int((kv or {}).get("loaded_tokens", 0))
-    prefill_tokens.labels(cls, "redis").inc(loaded)
-    prefill_tokens.labels(cls, "local_cache").inc(max(0, cached_tokens - loaded))
-    prefill_tokens.labels(cls, "computed").inc(max(0, prompt_len - max(cached_tokens, loaded)))
-    for name, n in ((kv or {}).get("counts") or {}).items():
-        if name in ("stored_pages", "loaded_pages"):
-            kv_pages.labels(name.removesuffix("_pages")).inc(n)
-        elif name in ("stored_bytes", "loaded_bytes"):
-            kv_bytes.labels(name.removesuffix("_bytes")).inc(n)
-        elif name.startswith("load_miss_"):
-            kv_load_misses.labels(name.removeprefix("load_miss_")).inc(n)
-        elif name.startswith("save_"):
-            kv_save_failures.labels(name.removeprefix("save_")).inc(n)
-        elif name == "lookup_unavailable":
-            kv_lookups_unavailable.inc(n)
+# Failing closed, fencing and the contract's safety nets
 worker_failures = Counter("sluice_worker_failures_total",
                           "Reasons a worker stopped itself (a stage failed, the engine stalled or died, ...)",
                           ["reason"], registry=REGISTRY)
@@ -92,3 +75,22 @@ tokens_held = Counter("sluice_tokens_held_total",
 fenced = Counter("sluice_attempts_fenced_total",
                  "Attempts stopped because another worker claimed their request (this one was paused too long)",
                  registry=REGISTRY)
+
+
+def record_kv(cls: str, prompt_len: int, cached_tokens: int, kv: dict | None) -> None:
+    """Account one finished request's prefill and the connector counts it carried."""
+    loaded = int((kv or {}).get("loaded_tokens", 0))
+    prefill_tokens.labels(cls, "redis").inc(loaded)
+    prefill_tokens.labels(cls, "local_cache").inc(max(0, cached_tokens - loaded))
+    prefill_tokens.labels(cls, "computed").inc(max(0, prompt_len - max(cached_tokens, loaded)))
+    for name, n in ((kv or {}).get("counts") or {}).items():
+        if name in ("stored_pages", "loaded_pages"):
+            kv_pages.labels(name.removesuffix("_pages")).inc(n)
+        elif name in ("stored_bytes", "loaded_bytes"):
+            kv_bytes.labels(name.removesuffix("_bytes")).inc(n)
+        elif name.startswith("load_miss_"):
+            kv_load_misses.labels(name.removeprefix("load_miss_")).inc(n)
+        elif name.startswith("save_"):
+            kv_save_failures.labels(name.removeprefix("save_")).inc(n)
+        elif name == "lookup_unavailable":
+            kv_lookups_unavailable.inc(n)
