@@ -108,11 +108,13 @@ class Dispatcher:
             self.tracker.finish(tp, offset)
             return
         if isinstance(exc, Fenced):
-            # Another worker owns the request now; this attempt sent nothing more. The partition is
-            # no longer ours either (the revoke follows): the record is neither finished nor failed.
+            # A later run holds the request's claim and answers its id: this run sent nothing more,
+            # and its record is done. (A later record with the same id here, or, for a worker that was
+            # paused too long, another worker; then this one's commit is refused by the group anyway.)
             metrics.fenced.inc()
             log.warning("attempt_fenced", request_id=exc.job.request.id, partition=getattr(tp, "partition", None),
                         offset=offset)
+            self.tracker.finish(tp, offset)
             return
         if isinstance(exc, Suspended):
             if tp in self.tracker.partitions():  # still ours: wait for a slot again

@@ -219,3 +219,17 @@ async def test_a_worker_that_wakes_after_its_request_moved_sends_nothing_more():
     for t in mem.tokens():
         assert texts.setdefault(t.seq, t.text) == t.text, f"seq {t.seq} repeated with other text"
     assert sorted(texts) == list(range(done.seq)) and "".join(texts[i] for i in range(done.seq)) == done.text
+
+
+async def test_the_same_id_many_times_at_once_is_answered_once_and_every_record_ends():
+    mem = Memory(partitions=1)
+    for _ in range(9):
+        mem.send("realtime", J({"id": "dup", "prompt": "x", "max_tokens": 3}), b"dup")
+    async with running(mem) as w:
+        assert await until(mem.all_committed), mem.broker.committed
+        assert w.ready
+    finals = mem.finals()["dup"]
+    assert finals and all(f == finals[0] for f in finals)  # repeats, if any, are the stored answer again
+    texts: dict[int, str] = {}
+    for t in mem.tokens():
+        assert texts.setdefault(t.seq, t.text) == t.text
