@@ -87,22 +87,39 @@ def model_fingerprint(model: str, dtype: str) -> str:
     return h.hexdigest()[:32]
 
 
+class DeviceUnavailable(RuntimeError):
+    """The device `SLUICE_DEVICE` asks for is not there; the message names what is missing."""
+
+
 def detect_device(requested: str) -> str:
-    if requested != "auto":
-        return requested
+    """The device to run on: the one asked for (checked), or with `auto` the first one present."""
+    if requested == "cpu":
+        return "cpu"
     try:
         import torch
     except ImportError:
-        return "cpu"
-    if torch.cuda.is_available():
+        if requested == "auto":
+            return "cpu"
+        raise DeviceUnavailable(f"SLUICE_DEVICE={requested}, but PyTorch is not installed: "
+                                f"run `deploy/install.sh .venv {requested}`") from None
+    if requested in ("auto", "cuda") and torch.cuda.is_available():
         return "cuda"
+    if requested == "cuda":
+        build = f"torch {torch.__version__}, CUDA build {torch.version.cuda or 'none (a CPU-only torch)'}"
+        raise DeviceUnavailable(f"SLUICE_DEVICE=cuda, but PyTorch sees no CUDA device ({build}): install the "
+                                "cuda extra (`deploy/install.sh .venv cuda`) and check the NVIDIA driver (`nvidia-smi`)")
     try:
         import torch_npu  # noqa: F401
-
-        if torch.npu.is_available():  # type: ignore[attr-defined]
-            return "npu"
     except ImportError:
-        pass
+        if requested == "npu":
+            raise DeviceUnavailable("SLUICE_DEVICE=npu, but torch-npu is not installed: install the npu extra "
+                                    "(`deploy/install.sh .venv npu`) on a host with Ascend's CANN toolkit") from None
+        return "cpu"
+    if torch.npu.is_available():  # type: ignore[attr-defined]
+        return "npu"
+    if requested == "npu":
+        raise DeviceUnavailable("SLUICE_DEVICE=npu, but torch-npu sees no Ascend NPU: check the driver and "
+                                "CANN environment (`npu-smi info`, `source set_env.sh`)")
     return "cpu"
 
 

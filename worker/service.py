@@ -8,7 +8,7 @@ import signal
 import structlog
 
 from topics import Catalog
-from worker.engine import EngineDead
+from worker.engine import DeviceUnavailable, EngineDead
 from worker.ops import OpsServer
 from worker.settings import Settings
 from worker.worker import Worker
@@ -58,6 +58,9 @@ async def run_worker(settings: Settings, catalog: Catalog, engine=None, **client
             log.error("worker_exiting", rc=rc, reason=worker.supervisor.failure)
         return rc
     except EngineDead:
+        return 1
+    except DeviceUnavailable as exc:
+        log.error("device_unavailable", error=str(exc))
         return 1
     finally:
         await ops.stop()
