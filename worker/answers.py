@@ -215,20 +215,6 @@ class AnswerStore:
     async def get(self, request_id: str) -> bytes | None:
         return await self._call(lambda c: c.get(self.key(request_id)))
 
-    async def get_many(self, request_ids: list[str]) -> list[bytes | None]:
-        """Stored answers for a batch of ids in one pipelined round per node; Nones when degraded."""
-        if not request_ids:
-            return []
-
-        async def run(c):
-            pipe = c.pipeline()
-            for rid in request_ids:
-                pipe.get(self.key(rid))
-            return await pipe.execute()
-
-        found = await self._call(run)
-        return list(found) if found is not None else [None] * len(request_ids)
-
     async def lookup_many(self, request_ids: list[str], streamed: list[bool],
                           owners: list[str] | None = None) -> list[tuple[bytes | None, Progress | None]]:
         """(stored answer, progress) per id, one pipelined round; (None, None)s when degraded.
@@ -282,9 +268,6 @@ class AnswerStore:
         result = await self._call(lambda c: c.eval(_APPEND_IF_OWNER, 2, self.owner_key(request_id),
                                                    self.progress_key(request_id), *args))
         return None if result is None else bool(result)
-
-    async def put(self, request_id: str, final_reply: bytes) -> None:
-        await self._call(lambda c: c.set(self.key(request_id), final_reply, ex=self.ttl_s))
 
     async def put_many(self, items: list[tuple[str, bytes, str]]) -> list[bool | None]:
         """Store (id, answer, owner) in one pipelined round, each only if `owner` still owns the id

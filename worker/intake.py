@@ -35,12 +35,14 @@ MAX_REJECTS_IN_FLIGHT = 256
 UNPARSEABLE = (UnicodeDecodeError, CorruptRecordException)
 
 
-class Unreadable:
-    """Stands for a record the client could not parse: only its coordinates are known."""
+class RecordRef:
+    """A record known by its coordinates only: one the client could not parse (`error` set), or a
+    job's record when a rejection has no record object at hand."""
 
-    def __init__(self, topic: str, partition: int, offset: int, error: BaseException):
+    def __init__(self, topic: str, partition: int, offset: int, error: BaseException | None = None,
+                 key: bytes | None = None):
         self.topic, self.partition, self.offset = topic, partition, offset
-        self.key = self.value = None
+        self.key, self.value = key, None
         self.headers = ()
         self.timestamp = 0
         self.error = error
@@ -101,7 +103,7 @@ class Intake:
 
     async def _read_carefully(self, tps, room: int, got: dict, first: BaseException) -> None:
         """After a parse failure: rewind each partition to the first record not yet taken, read
-        one record at a time, and turn each one that cannot be parsed into an `Unreadable`.
+        one record at a time, and turn each one that cannot be parsed into a `RecordRef`.
 
         The failed fetch may have moved positions past records it never handed out, so the
         rewind point is the first offset not yet taken: the tracker knows it for a partition this
@@ -122,7 +124,7 @@ class Intake:
                     recs = await self.consumer.getmany(tp, timeout_ms=self.poll_ms, max_records=1)
                 except UNPARSEABLE as exc:
                     offset = await self.consumer.position(tp)
-                    got.setdefault(tp, []).append(Unreadable(tp.topic, tp.partition, offset, exc))
+                    got.setdefault(tp, []).append(RecordRef(tp.topic, tp.partition, offset, exc))
                     self.consumer.seek(tp, offset + 1)
                     continue
                 if not recs:
@@ -140,7 +142,7 @@ class Intake:
             return None
         metrics.records_consumed.labels(cls).inc()
         try:
-            if isinstance(record, Unreadable):
+            if isinstance(record, RecordRef):
                 self.dispatcher.spawn(self.replies.unreadable(cls, record), cls, tp, record.offset)
                 return None
             request = self.codec.decode(record.value, record.headers, record.key)
@@ -187,7 +189,8 @@ class Intake:
             except Exception as exc:  # noqa: BLE001 - answered `internal`, never the end of the loop
                 log.exception("job_failed", cls=cls, request_id=job.request.id)
                 metrics.intake_errors.labels(cls, "record").inc()
-                self._reject(cls, job.tp, _JobRecord(job),
+                ref = RecordRef(job.tp.topic, job.tp.partition, job.offset, key=job.request.id.encode())
+                self._reject(cls, job.tp, ref,
                              BadRequest(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}",
                                         job.request.id, job.request.reply_to))
         metrics.waiting.labels(cls).set(self.dispatcher.scheduler.waiting(cls))
@@ -208,11 +211,3 @@ class Intake:
             self.consumer.pause(*tps)  # again each time: a rebalance may have added partitions
         metrics.paused_partitions.labels(cls).set(len(tps) if self.paused[cls] else 0)
         return not self.paused[cls]
-
-
-class _JobRecord:
-    """The coordinates of a job's record, for a rejection that has no record object at hand."""
-
-    def __init__(self, job: Job):
-        self.topic, self.partition, self.offset = job.tp.topic, job.tp.partition, job.offset
-        self.key, self.value, self.headers = job.request.id.encode(), None, ()
