@@ -69,6 +69,14 @@ class Catalog(Struct, frozen=True):
         return Catalog([msgspec.structs.replace(t, name=f"{prefix}{t.name}") for t in self.topic])
 
 
+def write_renamed(prefix: str, path: str | Path) -> Path:
+    """The bundled topics file with every name prefixed, for worker processes of an isolated run."""
+    path = Path(path)
+    path.write_text(resources.files(__name__).joinpath("default.toml").read_text()
+                    .replace('name = "sluice.', f'name = "{prefix}sluice.'))
+    return path
+
+
 def load(path: str | Path | None = None) -> Catalog:
     text = Path(path).read_text() if path else resources.files(__name__).joinpath("default.toml").read_text()
     try:

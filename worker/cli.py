@@ -166,6 +166,40 @@ def cmd_backfill(args) -> int:
     return 0
 
 
+def cmd_chaos(args) -> int:
+    from tqdm import tqdm
+
+    from loadgen.chaos import report
+    from loadgen.chaos.faults import FaultError
+    from loadgen.chaos.run import Run, Scenario
+
+    settings = _settings(args)
+    sc = Scenario(engine=args.engine, requests=args.requests, fuzz=args.fuzz, rate=args.rate, workers=args.workers,
+                  faults=args.faults, seed=args.seed, token_ms=args.token_ms,
+                  max_tokens=(args.min_tokens, args.max_tokens), settle_s=args.settle_s,
+                  dev_dir=Path(args.dev_dir), out=Path(args.out))
+    bar = tqdm(total=sc.requests + sc.fuzz, desc="chaos", unit="rec", mininterval=1, dynamic_ncols=True)
+
+    def progress(run, pool):
+        bar.n = len(run.audit.record_ids) - run.audit.pending()
+        last = pool.events[-1] if pool.events else ("", "", "")
+        bar.set_postfix(sent=len(run.audit.record_ids), in_flight=run.series[-1]["in_flight"],
+                        workers=len(pool.alive()), last=f"{last[1]} {last[2]}"[:28], refresh=False)
+        bar.refresh()
+
+    try:
+        result = asyncio.run(Run(sc, settings, progress).main())
+    except (FaultError, RuntimeError) as exc:
+        bar.close()
+        print(f"sluice chaos: {exc}", file=sys.stderr)
+        return 2
+    bar.close()
+    paths = report.write(result, sc.out / result["run"])
+    print(report.markdown(result))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 1 if result["failed"] else 0
+
+
 def cmd_demo(args) -> int:
     from loadgen.demo import main as demo_main
 
@@ -227,6 +261,24 @@ def main(argv=None) -> int:
     p.add_argument("--max-in-flight", type=int, default=512)
     p.add_argument("--class", dest="latency_class", default="batch", choices=["realtime", "standard", "batch"])
     p.set_defaults(fn=cmd_backfill)
+
+    p = sub.add_parser("chaos", help="seeded workload, fuzzed records and faults against worker processes; audited")
+    p.add_argument("--engine", choices=["fake", "vllm"], default="fake",
+                   help="fake: deterministic stand-in engine, for scale; vllm: the real engine and model")
+    p.add_argument("--requests", type=int, default=10_000, help="valid requests")
+    p.add_argument("--fuzz", type=int, default=2_000, help="hostile and malformed records interleaved")
+    p.add_argument("--rate", type=float, default=60.0, help="valid requests per second")
+    p.add_argument("--workers", type=int, default=3)
+    p.add_argument("--faults", default="kill,join,pause,kill,redis,leave,broker,kill",
+                   help="comma-separated, spread over the run: kill, pause, join, leave, redis, broker ('' for none)")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--token-ms", type=int, default=20, help="fake engine: milliseconds per generated token")
+    p.add_argument("--min-tokens", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--settle-s", type=float, default=300.0, help="how long answers may take after the last send")
+    p.add_argument("--dev-dir", default=str(devstack.DEFAULT_DIR), help="the embedded stack's state (for its pids)")
+    p.add_argument("--out", default="out/chaos")
+    p.set_defaults(fn=cmd_chaos)
 
     p = sub.add_parser("demo", help="embedded stack + worker + a burst of requests, results shown")
     p.add_argument("--requests", type=int, default=60)

@@ -29,11 +29,13 @@ class ReplyOutage(RuntimeError):
     """Replies could not be produced for longer than the configured bound: the worker must stop."""
 
 
-def kafka_producer(kafka_opts: dict, idempotence: bool, client_id: str, max_bytes: int):
+def kafka_producer(kafka_opts: dict, idempotence: bool, client_id: str, max_bytes: int,
+                   request_timeout_ms: int = 40000):
     from aiokafka import AIOKafkaProducer
 
     return AIOKafkaProducer(**kafka_opts, client_id=f"{client_id}-producer", acks="all",
-                            enable_idempotence=idempotence, linger_ms=2, max_request_size=max_bytes)
+                            enable_idempotence=idempotence, linger_ms=2, max_request_size=max_bytes,
+                            request_timeout_ms=request_timeout_ms)
 
 
 class Emitter:

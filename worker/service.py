@@ -46,6 +46,11 @@ async def run_worker(settings: Settings, catalog: Catalog, engine=None, **client
     ops = OpsServer(settings.ops.metrics_host, settings.ops.metrics_port, status)
     await ops.start()
     try:
+        if engine is None and settings.engine.engine_kind == "fake":
+            from worker.fake_engine import FakeEngine
+
+            log.warning("fake_engine", note="deterministic stand-in, not a model (SLUICE_ENGINE_KIND=fake)")
+            engine = FakeEngine(settings.engine.max_model_len, token_delay_s=settings.engine.fake_token_ms / 1000)
         if engine is None:
             from worker.engine import VllmEngine
 

@@ -51,6 +51,8 @@ class KafkaSettings(_Section):
     # Upper bound on how long a fetch waits for data. Apache Kafka answers as soon as
     # data arrives; the embedded broker waits the full time, so keep it short.
     fetch_max_wait_ms: Positive = 50
+    # How long the producer waits for the broker to acknowledge a send before it retries or fails.
+    request_timeout_ms: Positive = 40000
 
     def options(self) -> dict:
         """Connection options shared by consumers, producers and admin clients."""
@@ -68,6 +70,8 @@ class KafkaSettings(_Section):
 class GroupSettings(_Section):
     id: Annotated[str, Meta(min_length=1)] = "sluice-workers"
     commit_interval_ms: Positive = 500
+    # A member whose heartbeats stop this long is dropped from the group and its partitions move.
+    session_timeout_ms: Annotated[int, Meta(ge=1000)] = 10000
 
 
 class RedisSettings(_Section):
@@ -90,6 +94,9 @@ class KvSettings(_Section):
 
 
 class EngineSettings(_Section):
+    # `fake`: the deterministic stand-in of worker/fake_engine.py, for load and fault tests at scale
+    engine_kind: Literal["vllm", "fake"] = "vllm"
+    fake_token_ms: NonNegative = 0  # the fake engine's time per generated token
     model: str = ".sluice/models/smollm2-135m-instruct"
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     # auto: bfloat16 on CPUs with AVX512-BF16/AMX, float32 on other CPUs, the model's dtype on GPU/NPU

@@ -58,6 +58,8 @@ def kafka_consumer(settings: Settings):
         enable_auto_commit=False,
         auto_offset_reset="earliest",
         fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,
+        session_timeout_ms=settings.group.session_timeout_ms,
+        heartbeat_interval_ms=max(100, settings.group.session_timeout_ms // 3),
         max_partition_fetch_bytes=max(1 << 20, 2 * settings.limits.max_record_bytes),
     )
 
@@ -84,7 +86,8 @@ class Worker:
         self.settings, self.catalog, self.engine = settings, catalog, engine
         self.consumer = consumer if consumer is not None else kafka_consumer(settings)
         producer = producer if producer is not None else kafka_producer(
-            settings.kafka.options(), settings.kafka.idempotence, settings.kafka.client_id, settings.worker.max_produce_bytes)
+            settings.kafka.options(), settings.kafka.idempotence, settings.kafka.client_id, settings.worker.max_produce_bytes,
+            settings.kafka.request_timeout_ms)
         self.answers = answers if answers is not None else answer_store(settings)
         self.supervisor = Supervisor()
         self.liveness = Liveness([t.latency_class for t in catalog.requests])

@@ -65,12 +65,9 @@ def http_get(port: int, path: str) -> tuple[int | None, str]:
 
 def prefixed_topics_file(catalog, path):
     """The default topics renamed with this test's prefix, for worker processes."""
-    from importlib import resources
+    import topics
 
-    prefix = catalog.replies.name[: -len("sluice.replies")]
-    path.write_text(resources.files("topics").joinpath("default.toml").read_text()
-                    .replace('name = "sluice.', f'name = "{prefix}sluice.'))
-    return path
+    return topics.write_renamed(catalog.replies.name[: -len("sluice.replies")], path)
 
 
 def metric(exposition: str, name: str, **labels) -> float:

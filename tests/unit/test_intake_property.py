@@ -9,53 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from loadgen.chaos import fuzz
 from tests.unit.harness import CATALOG, Memory, until
 from worker import metrics
 from worker.worker import Worker
 
-CLASSES = ["realtime", "standard", "batch"]
-FIELDS = ["id", "tenant", "kind", "prompt", "messages", "event", "template", "labels", "max_tokens", "temperature",
-          "top_p", "seed", "stop", "stream", "deadline_ms", "reply_to", "z"]
-
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
-                    st.text(max_size=12), st.sampled_from(["generate", "score", "fraud", "sluice.replies", ""]))
-values = st.recursive(scalars, lambda kids: st.one_of(st.lists(kids, max_size=4),
-                                                       st.dictionaries(st.text(max_size=8), kids, max_size=4)),
-                      max_leaves=8)
-valid = st.fixed_dictionaries({"id": st.text(min_size=1, max_size=12), "prompt": st.text(min_size=1, max_size=30),
-                               "max_tokens": st.integers(1, 4)},
-                              optional={"stream": st.booleans(), "temperature": st.floats(0, 2),
-                                        "tenant": st.text(min_size=1, max_size=8)})
-requestish = st.dictionaries(st.sampled_from(FIELDS), values, max_size=6)
-bodies = st.one_of(valid, requestish, st.fixed_dictionaries({"id": st.text(max_size=12)}, optional={
-    "prompt": values, "max_tokens": values, "messages": values, "stop": values, "reply_to": values}))
-
-
-@st.composite
-def records(draw):
-    body = draw(bodies)
-    encoding = draw(st.sampled_from(["json", "json", "msgpack", "raw", "deep", "none"]))
-    headers = []
-    if encoding == "json":
-        value = msgspec.json.encode(body)
-    elif encoding == "msgpack":
-        try:
-            value = msgspec.msgpack.encode(body)
-            headers.append(("content-type", b"application/msgpack"))
-        except OverflowError:  # msgpack has no integers past 64 bits; JSON carries them
-            value = msgspec.json.encode(body)
-    elif encoding == "raw":
-        value = draw(st.binary(max_size=64))
-    elif encoding == "deep":
-        n = draw(st.integers(30, 3000))
-        value = b'{"id":"deep","z":' + b"[" * n + b"]" * draw(st.sampled_from([n, n - 1, 0])) + b"}"
-    else:
-        value = None
-    headers += draw(st.lists(st.tuples(st.sampled_from(["content-type", "x-a", "Content-Type"]),
-                                       st.one_of(st.none(), st.binary(max_size=24),
-                                                 st.just(b"application/msgpack"))), max_size=2))
-    key = draw(st.one_of(st.none(), st.binary(max_size=16), st.text(max_size=12).map(str.encode)))
-    return draw(st.sampled_from(CLASSES)), key, value, headers
+records = fuzz.records
 
 
 class _Running:
