@@ -72,6 +72,7 @@ class Intake:
                 await asyncio.sleep(self.poll_ms / 1000)
                 continue
             room = max(1, min(policy.batch_size, policy.max_waiting - self.dispatcher.scheduler.waiting(cls)))
+            generations = {tp: self.tracker.generation(tp) for tp in tps}
             try:
                 got = await self._fetch(tps, room, policy.window_ms)
             except KafkaError as exc:
@@ -81,10 +82,12 @@ class Intake:
                 await asyncio.sleep(0.5)
                 continue
             self.liveness.polled(cls)
+            # A rebalance during the fetch: what was read from a revoked partition is the new owner's.
+            got = {tp: records for tp, records in got.items() if self._still_ours(tp, generations)}
             jobs = [job for tp, records in got.items() for record in records
                     if (job := self.take(topic, tp, record)) is not None]
             if jobs:
-                await self._schedule(cls, jobs)
+                await self._schedule(cls, jobs, generations)
 
     async def _fetch(self, tps, room: int, window_ms: int) -> dict:
         got: dict = {}
@@ -132,6 +135,9 @@ class Intake:
                 for part, records in recs.items():
                     got.setdefault(part, []).extend(records)
 
+    def _still_ours(self, tp, generations: dict) -> bool:
+        return tp in self.consumer.assignment() and self.tracker.generation(tp) == generations.get(tp)
+
     def take(self, topic: Topic, tp, record) -> Job | None:
         """Own the record; a valid one comes back as a job, anything else is answered here. Never raises."""
         cls = topic.latency_class
@@ -168,16 +174,15 @@ class Intake:
         self.dispatcher.spawn(self.replies.reject(cls, record, bad), cls, tp, record.offset,
                               on_done=self.dispatcher.reject_done)
 
-    async def _schedule(self, cls: str, jobs: list[Job]) -> None:
+    async def _schedule(self, cls: str, jobs: list[Job], generations: dict) -> None:
         """Stored answers are re-sent; progress left by a dead owner rides along; the rest wait for admission."""
         owners = [f"{self.owner_id}#{next(self._attempts)}" for _ in jobs]
         stored = await self.answers.lookup_many([job.request.id for job in jobs], [job.request.stream for job in jobs],
                                                 owners)
         claimed = self.answers.available  # the claims went through: these attempts can be fenced
-        owned = set(self.tracker.partitions())  # a rebalance may have run during the lookup
         for job, owner, (answer, progress) in zip(jobs, owners, stored):
-            if job.tp not in owned:
-                continue
+            if self.tracker.generation(job.tp) != generations.get(job.tp):
+                continue  # revoked during the lookup: the new owner reads it again
             try:
                 job.progress = progress  # an earlier owner died mid-stream: continue after its last token
                 job.owner = owner if claimed and answer is None else ""  # an answered id was not claimed

@@ -23,6 +23,7 @@ class _Partition:
 class OffsetTracker:
     def __init__(self):
         self._parts: dict[object, _Partition] = {}
+        self._generations: dict[object, int] = {}  # bumped when a partition is forgotten (revoked)
 
     def take(self, tp, offset: int) -> None:
         """A record was read and is now owned until `finish`."""
@@ -75,6 +76,12 @@ class OffsetTracker:
         """Partitions revoked: their records now belong to another worker."""
         for tp in tps:
             self._parts.pop(tp, None)
+            self._generations[tp] = self._generations.get(tp, 0) + 1
+
+    def generation(self, tp) -> int:
+        """Changes each time `tp` is revoked: records read before a revoke are not ours to take after it,
+        even when the partition came back (the consumer reads it again from the committed offset)."""
+        return self._generations.get(tp, 0)
 
     def partitions(self) -> list:
         return list(self._parts)

@@ -156,6 +156,9 @@ class Audit:
             "malformed_replies": self.malformed,
         }
 
+    def lost_ids(self) -> list[str]:
+        return sorted(rid for rid, r in self.requests.items() if not r.finals)
+
     def errors_by_code(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for r in self.requests.values():

@@ -22,7 +22,7 @@ def markdown(result: dict) -> str:
                   ", ".join(f"`{k}` {v}" for k, v in sorted(result["errors_by_code"].items()))]
     lines += ["", "| t (s) | event | detail |", "| ---: | --- | --- |"]
     lines += [f"| {t:.1f} | {what} | {detail} |" for t, what, detail in result["events"]]
-    for name in ("violations", "uncommitted_partitions"):
+    for name in ("lost_ids", "violations", "uncommitted_partitions"):
         if result.get(name):
             lines += ["", f"{name} (first 20):", *[f"- {v}" for v in result[name][:20]]]
     lines += ["", f"verdict: {'FAILED: ' + ', '.join(result['failed']) if result['failed'] else 'every loss and conflict column is zero'}"]

@@ -72,8 +72,8 @@ class Run:
         if sc.engine == "fake":
             env.update(SLUICE_ENGINE_KIND="fake", SLUICE_FAKE_TOKEN_MS=str(sc.token_ms))
         else:
-            env.update(SLUICE_ENGINE_KIND="vllm", SLUICE_CPU_KVCACHE_GIB=os.environ.get("SLUICE_CPU_KVCACHE_GIB", "1"))
-        del s
+            env.update(SLUICE_ENGINE_KIND="vllm", SLUICE_MODEL=s.engine.model,
+                       SLUICE_CPU_KVCACHE_GIB=os.environ.get("SLUICE_CPU_KVCACHE_GIB", "1"))
         return env
 
     # a broker pause must outlast the producers' request timeout; a short timeout keeps the pause short
@@ -132,7 +132,7 @@ class Run:
                 "scenario": {k: str(v) for k, v in vars(sc).items()},
                 "seconds": time.monotonic() - t_start, "counts": counts, "failed": failed(counts),
                 "errors_by_code": self.audit.errors_by_code(), "events": pool.events, "spans": injector.spans,
-                "violations": self.audit.violations, "uncommitted_partitions": self.audit.uncommitted,
+                "violations": self.audit.violations, "lost_ids": self.audit.lost_ids(), "uncommitted_partitions": self.audit.uncommitted,
                 "series": self.series, "snapshot_errors": self.snapshot_errors}
 
     async def _send(self, items, pool: Pool) -> None:

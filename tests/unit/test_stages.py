@@ -233,3 +233,72 @@ async def test_the_same_id_many_times_at_once_is_answered_once_and_every_record_
     texts: dict[int, str] = {}
     for t in mem.tokens():
         assert texts.setdefault(t.seq, t.text) == t.text
+
+
+async def test_a_redis_blip_then_a_kill_loses_and_changes_nothing():
+    """Redis goes away mid-stream (token records are held back), comes back (they go out, each after
+    its progress is stored), then the worker dies. The next owner re-sends exactly what was sent and
+    continues: one `done`, gapless seqs, every earlier record standing. (That the continuation is
+    the text of an uninterrupted run needs a real model: tests/integration/test_chaos.py.)"""
+    from worker.doubles import MemoryConsumer, MemoryProducer
+
+    mem = Memory(partitions=1, engine=Pausable())
+    mem.send("standard", J({"id": "rb", "prompt": "blip", "max_tokens": 90}), b"rb")
+    a = type(mem.worker())(mem.settings, CATALOG, mem.engine, consumer=MemoryConsumer(mem.broker),
+                           producer=MemoryProducer(mem.broker), answers=mem.answers)
+    await a.start()
+    try:
+        assert await until(lambda: len(mem.tokens()) >= 3)
+        mem.answers.available = False  # the blip
+        held_from = len(mem.tokens())
+        await asyncio.sleep(0.2)
+        assert len(mem.tokens()) <= held_from + 1, "token records went out while their progress could not be stored"
+        mem.answers.available = True
+        assert await until(lambda: len(mem.tokens()) >= held_from + 5)
+        mem.engine.running.clear()  # the worker dies: no more progress, no drain, no commit
+        sent_by_a = {t.seq: t.text for t in mem.tokens()}
+        stored = mem.answers.progress["rb"]
+        assert set(sent_by_a) <= set(stored), "a token record went out before its progress was stored"
+        b = type(a)(mem.settings, CATALOG, FakeEngine(), consumer=MemoryConsumer(mem.broker),
+                    producer=mem.producer, answers=mem.answers)
+        await b.start()
+        try:
+            assert await until(lambda: "rb" in mem.finals(), timeout=10)
+        finally:
+            await b.stop(grace_s=1)
+    finally:
+        await a.stop(grace_s=0.2)
+    (done,) = mem.finals()["rb"]
+    assert done.resumed
+    texts: dict[int, str] = {}
+    for t in mem.tokens():
+        assert texts.setdefault(t.seq, t.text) == t.text, f"seq {t.seq} repeated with other text"
+    assert sorted(texts) == list(range(done.seq)) and "".join(texts[i] for i in range(done.seq)) == done.text
+    assert done.usage.completion_tokens == 90
+    assert all(texts[s] == text for s, text in sent_by_a.items())  # what the dead worker sent stands
+
+
+async def test_records_read_before_a_revoke_are_not_taken_after_it():
+    """A rebalance lands while intake waits out its micro-batch window with records in hand: those
+    records belong to the new owner. Taking them anyway ran requests of a partition this worker no
+    longer owned, and left offsets marked taken, so that when the partition came back its records
+    were skipped as "already taken" and a later commit passed them unanswered."""
+    from aiokafka import TopicPartition
+
+    mem = Memory(partitions=1)
+
+    def runs(rid):
+        return [s for s in mem.engine.started if s.startswith(f"{rid}@")]
+
+    tp = TopicPartition(CATALOG.request_topic("batch").name, 0)  # batch waits 200 ms for more after the first
+    async with running(mem) as w:
+        everything = w.consumer.assignment()
+        mem.send("batch", J({"id": "w1", "prompt": "x", "max_tokens": 3}), b"w1")
+        assert await until(lambda: mem.consumer.polls > 0 and mem.consumer._position.get(tp) == 1, timeout=5)
+        await mem.consumer.assign(everything - {tp})  # revoked inside the window
+        await asyncio.sleep(0.4)
+        assert not runs("w1"), "a request of a revoked partition ran"
+        assert w.tracker.pending(tp) == 0 and tp not in w.tracker.partitions()
+        await mem.consumer.assign(everything)  # it comes back: read again from the committed offset
+        assert await until(mem.all_committed, timeout=10)
+    assert [f.id for f in mem.finals()["w1"]] == ["w1"] and len(runs("w1")) == 1
