@@ -58,11 +58,14 @@ class Usage(Struct, frozen=True):
     completion_tokens: int
 
 
-class TokenReply(Struct, frozen=True, tag="token", tag_field="type"):
+class TokenReply(Struct, frozen=True, tag="token", tag_field="type", omit_defaults=True):
     id: str
     seq: int
     text: str
     token_ids: list[int]
+    # This attempt could not consult the request's stored answer and progress (Redis unavailable):
+    # records of an earlier attempt for the same id, if any, may differ from it.
+    unchecked: bool = False
 
 
 class DoneReply(Struct, frozen=True, tag="done", tag_field="type", omit_defaults=True):
@@ -73,6 +76,7 @@ class DoneReply(Struct, frozen=True, tag="done", tag_field="type", omit_defaults
     usage: Usage
     scores: dict[str, float] | None = None
     resumed: bool = False
+    unchecked: bool = False  # as on TokenReply
 
 
 class ErrorReply(Struct, frozen=True, tag="error", tag_field="type"):

@@ -1,7 +1,9 @@
 """A deterministic stand-in engine for fast tests of scheduling, offsets and overhead.
 
 Never the only proof a feature works: integration tests run the real vLLM engine.
-Token i of a prompt is `(sum(prompt) + i) % 1000`, its text `"<t{id}>"`.
+Each token follows from the one before it (`(last * 37 + 11) % 1000`, the first from the prompt's
+last id), its text `"<t{id}>"`: like greedy decoding, continuing from prompt + generated tokens
+gives exactly what an uninterrupted run would, so suspensions and failovers can be checked.
 """
 
 from __future__ import annotations
@@ -33,12 +35,16 @@ class FakeEngine:
     async def generate(self, request_id: str, prompt_ids: list[int], params: GenParams, priority: int):
         self.started.append(request_id)
         base = sum(prompt_ids)
+        last = prompt_ids[-1] if prompt_ids else 0
         i = 0
         while i < params.max_tokens:
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
             n = min(self.tokens_per_delta, params.max_tokens - i)
-            ids = [(base + i + k) % 1000 for k in range(n)]
+            ids = []
+            for _ in range(n):
+                last = (last * 37 + 11) % 1000
+                ids.append(last)
             i += n
             # Label logprobs: a fixed function of the prompt, so tests can compute them too.
             logprobs = ({t: -1.0 - ((base + t) % 7) for t in params.logprob_token_ids}

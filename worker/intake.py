@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import os
 import socket
+import time
 import uuid
 
 import structlog
@@ -50,12 +51,13 @@ class RecordRef:
 
 class Intake:
     def __init__(self, consumer, codec: RequestCodec, tracker, dispatcher, replies, answers, liveness,
-                 default_reply_topic: str, poll_ms: int, stopping=lambda: False):
+                 default_reply_topic: str, poll_ms: int, stopping=lambda: False, redis_wait_s: float = 10.0):
         self.consumer, self.codec, self.tracker = consumer, codec, tracker
         self.dispatcher, self.replies, self.answers, self.liveness = dispatcher, replies, answers, liveness
         self.default_reply_topic = default_reply_topic
         self.poll_ms = poll_ms
         self.stopping = stopping  # belt and braces beside cancellation
+        self.redis_wait_s = redis_wait_s
         # attempt tokens: unique per job run, across processes and restarts
         self.owner_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._attempts = itertools.count()
@@ -177,8 +179,15 @@ class Intake:
     async def _schedule(self, cls: str, jobs: list[Job], generations: dict) -> None:
         """Stored answers are re-sent; progress left by a dead owner rides along; the rest wait for admission."""
         owners = [f"{self.owner_id}#{next(self._attempts)}" for _ in jobs]
-        stored = await self.answers.lookup_many([job.request.id for job in jobs], [job.request.stream for job in jobs],
-                                                owners)
+        ids, streamed = [job.request.id for job in jobs], [job.request.stream for job in jobs]
+        stored = await self.answers.lookup_many(ids, streamed, owners)
+        # Redis unavailable: wait a while (a master failover takes seconds) rather than run records that
+        # may have been answered already; past the wait they run unchecked, and their replies say so.
+        give_up = time.monotonic() + self.redis_wait_s
+        while not self.answers.available and time.monotonic() < give_up and not self.stopping():
+            self.liveness.polled(cls)
+            await asyncio.sleep(0.25)
+            stored = await self.answers.lookup_many(ids, streamed, owners)
         claimed = self.answers.available  # the claims went through: these attempts can be fenced
         for job, owner, (answer, progress) in zip(jobs, owners, stored):
             if self.tracker.generation(job.tp) != generations.get(job.tp):
@@ -186,6 +195,7 @@ class Intake:
             try:
                 job.progress = progress  # an earlier owner died mid-stream: continue after its last token
                 job.owner = owner if claimed and answer is None else ""  # an answered id was not claimed
+                job.checked = claimed
                 reply = self.replies.decode_stored(answer) if answer is not None else None
                 if reply is not None:
                     self.dispatcher.spawn(self.replies.resend(job, reply), cls, job.tp, job.offset)

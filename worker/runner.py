@@ -51,6 +51,7 @@ class Job:
     # token records held back because their progress could not be stored yet (Redis degraded)
     unstored: list = field(default_factory=list)
     owner: str = ""  # the attempt token this job claimed in Redis ("" when the claim could not be made)
+    checked: bool = True  # False: run without the stored answer and progress (Redis unavailable at intake)
     resumed: bool = False
     suspend: asyncio.Event = field(default_factory=asyncio.Event)
     slot_released: bool = True  # set False while the job holds an engine slot
@@ -160,7 +161,7 @@ class Runner:
             job.generated.extend(ids)
             job.texts.append(text)
             # a repeat of what readers may already have: same seq, same text (stored already)
-            await self._send_token(job, TokenReply(job.request.id, job.seq, text, ids))
+            await self._send_token(job, TokenReply(job.request.id, job.seq, text, ids, unchecked=not job.checked))
             job.seq += 1
         metrics.resumed.labels(job.latency_class).inc()
         log.info("request_resumed", emitted_tokens=len(job.generated), next_seq=job.seq)
@@ -173,7 +174,8 @@ class Runner:
         remaining = params.max_tokens - len(job.generated)
         if remaining <= 0:  # resumed after every token was already emitted
             return DoneReply(req.id, job.seq, "".join(job.texts), "length",
-                             Usage(len(job.prompt_ids), len(job.generated)), scores=job.scores, resumed=job.resumed)
+                             Usage(len(job.prompt_ids), len(job.generated)), scores=job.scores, resumed=job.resumed,
+                             unchecked=not job.checked)
         want_scores = bool(job.label_ids) and job.scores is None
         scores_only = req.kind == "score" and not req.max_tokens
         params = GenParams(remaining, params.temperature, params.top_p, params.seed, params.stop,
@@ -230,7 +232,7 @@ class Runner:
         metrics.tokens_generated.labels(cls).inc(new_tokens)
         metrics.prompt_tokens.labels(cls).inc(len(job.prompt_ids))
         return DoneReply(req.id, job.seq, "".join(job.texts), finish, Usage(len(job.prompt_ids), len(job.generated)),
-                         scores=job.scores, resumed=job.resumed)
+                         scores=job.scores, resumed=job.resumed, unchecked=not job.checked)
 
     async def _send_token(self, job: Job, reply: TokenReply) -> None:
         job.token_futures.append(await self.emitter.token(job.reply_to, reply))
@@ -287,7 +289,8 @@ class _Chunk:
     async def flush(self) -> None:
         if self.ids:
             job = self.job
-            job.unstored.append(TokenReply(job.request.id, job.seq, "".join(self.texts), self.ids))
+            job.unstored.append(TokenReply(job.request.id, job.seq, "".join(self.texts), self.ids,
+                                           unchecked=not job.checked))
             job.seq += 1
             self.texts, self.ids = [], []
             await self.runner._send_stored(job)

@@ -80,6 +80,9 @@ class RedisSettings(_Section):
     key_prefix: str = "sluice"
     ttl_s: Positive = 86400  # stored answers
     timeout_ms: Positive = 500
+    # Records read while Redis is unavailable wait this long for it (a master failover) before they
+    # run without their stored answer and progress, marked `unchecked` on their replies.
+    lookup_wait_s: Annotated[float, Meta(ge=0)] = 10.0
 
 
 class ProgressSettings(_Section):

@@ -107,7 +107,7 @@ class Worker:
         self.dispatch.runner, self.dispatch.replies = self.runner, self.replies
         self.intake = Intake(self.consumer, RequestCodec(settings.limits), self.tracker, self.dispatch, self.replies,
                              self.answers, self.liveness, catalog.replies.name, settings.kafka.fetch_max_wait_ms,
-                             stopping=lambda: self.supervisor.stopping)
+                             stopping=lambda: self.supervisor.stopping, redis_wait_s=settings.redis.lookup_wait_s)
         self.commits = Commits(self.consumer, self.tracker, settings.group.commit_interval_ms / 1000)
         self._started = False
 

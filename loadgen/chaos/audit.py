@@ -4,10 +4,12 @@ Pure bookkeeping (no Kafka, no clock), fed by the runner and table-tested. The c
 must be zero (`FAILURES`):
 
 - `lost`: a valid request sent and acknowledged by the broker with no `done` or `error`;
-- `seq_conflicts`: two token records of one request with the same seq and different text;
+- `seq_conflicts`: two token records of one request with the same seq and different text, neither
+  marked `unchecked` (an attempt that ran without Redis says so; those are `signalled_conflicts`);
 - `torn_streams`: a `done` whose token records are not seqs 0..seq-1 joining to its text, or
   token records for a request sent with `stream: false`;
-- `differing_finals`: two final replies for one request that differ in what a reader reads;
+- `differing_finals`: two final replies for one request that differ in what a reader reads, neither
+  marked `unchecked`;
 - `fuzz_unaccounted`: a fuzzed record with neither a final reply for the id it carries nor a
   dead letter naming its coordinates;
 - `commit_violations`: a committed offset seen while an earlier record of that partition had
@@ -38,10 +40,10 @@ def _content(final) -> tuple:
 @dataclass
 class _Request:
     streamed: bool
-    tokens: dict[int, str] = field(default_factory=dict)
+    tokens: dict[int, tuple[str, bool]] = field(default_factory=dict)  # seq -> (first text, unchecked)
     conflicts: int = 0
+    signalled: int = 0  # conflicts where one side was marked unchecked
     finals: list = field(default_factory=list)
-    first_final_ms: int | None = None
 
 
 class Audit:
@@ -52,10 +54,9 @@ class Audit:
         self.record_ids: dict[Coords, str | None] = {}  # every sent record -> its id (None: dead letter expected)
         self.final_ms: dict[str, int] = {}  # any id -> earliest final reply's timestamp
         self.dead_ms: dict[Coords, int] = {}
-        self.violations: list[str] = []
         self.malformed = 0
         self.uncommitted: list[str] = []
-        self.checked: dict[tuple[str, int], int] = {}  # offsets below these were checked against commits
+        self.snapshots: list[tuple[int, dict]] = []
 
     # --- what was sent
     def sent(self, rid: str, streamed: bool, coords: Coords) -> None:
@@ -76,8 +77,12 @@ class Audit:
         req = self.requests.get(r.id)
         if isinstance(r, TokenReply):
             if req is not None:
-                seen = req.tokens.setdefault(r.seq, r.text)
-                req.conflicts += seen != r.text
+                text, unchecked = req.tokens.setdefault(r.seq, (r.text, r.unchecked))
+                if text != r.text:
+                    if unchecked or r.unchecked:
+                        req.signalled += 1
+                    else:
+                        req.conflicts += 1
             return r
         if r.id not in self.final_ms or ts_ms < self.final_ms[r.id]:
             self.final_ms[r.id] = ts_ms
@@ -94,20 +99,27 @@ class Audit:
         return min(times) if times else None
 
     def committed(self, at_ms: int, offsets: dict[tuple[str, int], int]) -> None:
-        """A snapshot of the group's committed offsets, read at `at_ms`: every record below each
-        offset must have been answered before then. Offsets below one already checked at an
-        earlier snapshot were answered before that one, so each record is checked once."""
-        for (topic, partition), committed in offsets.items():
-            start = self.checked.get((topic, partition), 0)
-            for o in range(start, committed):
-                coords = (topic, partition, o)
-                if coords not in self.record_ids:
-                    continue  # not sent by this run (a producer retry's duplicate, say)
-                ended = self.ended_ms(coords)
-                if ended is None or ended > at_ms:
-                    self.violations.append(f"{topic}[{partition}] committed {committed} at {at_ms} before offset "
-                                           f"{o} was answered ({ended})")
-            self.checked[(topic, partition)] = max(start, committed)
+        """A snapshot of the group's committed offsets, read at `at_ms`. Checked at the end, when every
+        reply has been read: each record below an offset must have been answered before `at_ms`."""
+        self.snapshots.append((at_ms, dict(offsets)))
+
+    def _check_commits(self) -> list[str]:
+        # Offsets below one already checked at an earlier snapshot were answered before that one.
+        checked: dict[tuple[str, int], int] = {}
+        out = []
+        for at_ms, offsets in sorted(self.snapshots, key=lambda s: s[0]):
+            for (topic, partition), committed in offsets.items():
+                start = checked.get((topic, partition), 0)
+                for o in range(start, committed):
+                    coords = (topic, partition, o)
+                    if coords not in self.record_ids:
+                        continue  # not sent by this run (a producer retry's duplicate, say)
+                    ended = self.ended_ms(coords)
+                    if ended is None or ended > at_ms:
+                        out.append(f"{topic}[{partition}] committed {committed} at {at_ms} before offset {o} "
+                                   f"was answered ({ended})")
+                checked[(topic, partition)] = max(start, committed)
+        return out
 
     def ends(self, committed: dict[tuple[str, int], int], end: dict[tuple[str, int], int]) -> None:
         self.uncommitted = [f"{t}[{p}] committed {committed.get((t, p))} of {e}" for (t, p), e in sorted(end.items())
@@ -122,19 +134,28 @@ class Audit:
     def _unaccounted(self, coords: Coords, rid: str | None) -> bool:
         return coords not in self.dead_ms and not (rid is not None and rid in self.final_ms)
 
+    @property
+    def violations(self) -> list[str]:
+        return self._check_commits()
+
     def counts(self) -> dict[str, int]:
-        torn = differing = 0
+        torn = differing = signalled_finals = 0
         for r in self.requests.values():
             if not r.finals:
                 continue
-            contents = {_content(f) for f in r.finals}
-            differing += len(contents) > 1
+            if len({_content(f) for f in r.finals}) > 1:
+                if any(getattr(f, "unchecked", False) for f in r.finals):
+                    signalled_finals += 1
+                else:
+                    differing += 1
             done = next((f for f in r.finals if isinstance(f, DoneReply)), None)
             if not r.streamed:
                 torn += bool(r.tokens)
+            elif r.signalled:
+                continue  # two attempts' streams, one marked unchecked: no single stream to join
             elif done is not None and r.tokens and (
                     sorted(r.tokens) != list(range(done.seq))
-                    or "".join(r.tokens[s] for s in range(done.seq)) != done.text):
+                    or "".join(r.tokens[s][0] for s in range(done.seq)) != done.text):
                 torn += 1
             elif done is not None and not r.tokens and done.seq:
                 torn += 1
@@ -146,12 +167,13 @@ class Audit:
             "resumed": sum(isinstance(f, DoneReply) and bool(f.resumed) for f in finals),
             "lost": sum(not r.finals for r in self.requests.values()),
             "seq_conflicts": sum(r.conflicts for r in self.requests.values()),
+            "signalled_conflicts": sum(r.signalled for r in self.requests.values()) + signalled_finals,
             "torn_streams": torn,
             "differing_finals": differing,
             "fuzzed": len(self.fuzz),
             "fuzz_dead_letters": sum(c in self.dead_ms for c in self.fuzz),
             "fuzz_unaccounted": sum(self._unaccounted(c, rid) for c, rid in self.fuzz.items()),
-            "commit_violations": len(self.violations),
+            "commit_violations": len(self._check_commits()),
             "uncommitted": len(self.uncommitted),
             "malformed_replies": self.malformed,
         }

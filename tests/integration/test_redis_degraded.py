@@ -18,3 +18,5 @@ async def test_requests_complete_while_redis_is_unreachable(settings, catalog, e
         assert not w.answers.available
         assert metrics.redis_up._value.get() == 0
     assert all(isinstance(o.final, DoneReply) and not o.problems for o in out.values())
+    # run without their stored answers and progress (past SLUICE_REDIS_LOOKUP_WAIT_S), and saying so
+    assert all(o.final.unchecked for o in out.values())

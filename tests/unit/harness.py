@@ -23,7 +23,8 @@ _codec = ReplyCodec()
 def settings(**overrides):
     base = {"kafka_idempotence": False, "metrics_port": 0, "group_commit_interval_ms": 10, "drain_grace_s": 2,
             "stream_chunk_tokens": 1, "contention_hold_ms": 0, "max_record_bytes": 64 * 1024,
-            "max_produce_bytes": 96 * 1024, "engine_health_interval_s": 0.2}
+            "max_produce_bytes": 96 * 1024, "engine_health_interval_s": 0.2,
+            "redis_lookup_wait_s": 0.2}
     return load(environ={}, **{**base, **overrides})
 
 

@@ -9,13 +9,15 @@ from loadgen.chaos.faults import FaultError, schedule
 T = ("t.requests.standard", 0)
 
 
-def tok(rid, seq, text):
-    return msgspec.json.encode({"type": "token", "id": rid, "seq": seq, "text": text, "token_ids": [1]})
+def tok(rid, seq, text, unchecked=False):
+    return msgspec.json.encode({"type": "token", "id": rid, "seq": seq, "text": text, "token_ids": [1],
+                                "unchecked": unchecked})
 
 
-def done(rid, seq, text, resumed=False):
+def done(rid, seq, text, resumed=False, unchecked=False):
     return msgspec.json.encode({"type": "done", "id": rid, "seq": seq, "text": text, "finish_reason": "length",
-                                "usage": {"prompt_tokens": 3, "completion_tokens": seq}, "resumed": resumed})
+                                "usage": {"prompt_tokens": 3, "completion_tokens": seq}, "resumed": resumed,
+                                "unchecked": unchecked})
 
 
 def error(rid, code="internal"):
@@ -68,6 +70,15 @@ def test_each_breach_is_caught(column):
     clean(a)
     BREACHES[column](a)
     assert column in failed(a.counts()), a.counts()
+
+
+def test_an_attempt_marked_unchecked_is_signalled_not_a_breach():
+    a = Audit()
+    clean(a)
+    a.reply(tok("a", 0, "other", unchecked=True), 30)  # a run that could not see the first one
+    a.reply(done("a", 1, "other", unchecked=True), 31)
+    c = a.counts()
+    assert failed(c) == [] and c["signalled_conflicts"] == 2
 
 
 def test_tokens_for_an_unstreamed_request_are_torn():

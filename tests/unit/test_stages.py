@@ -167,6 +167,7 @@ async def test_held_back_token_records_go_out_before_done_if_redis_never_returns
         assert await until(mem.all_committed)
     replies = [r for r in mem.replies() if r.id == "h2"]
     assert isinstance(replies[-1], DoneReply)
+    assert all(r.unchecked for r in replies)  # run without its stored answer: the replies say so
     assert [r.seq for r in replies[:-1]] == list(range(replies[-1].seq))
     assert "".join(r.text for r in replies[:-1]) == replies[-1].text
 
@@ -238,9 +239,10 @@ async def test_the_same_id_many_times_at_once_is_answered_once_and_every_record_
 async def test_a_redis_blip_then_a_kill_loses_and_changes_nothing():
     """Redis goes away mid-stream (token records are held back), comes back (they go out, each after
     its progress is stored), then the worker dies. The next owner re-sends exactly what was sent and
-    continues: one `done`, gapless seqs, every earlier record standing. (That the continuation is
-    the text of an uninterrupted run needs a real model: tests/integration/test_chaos.py.)"""
+    continues: one `done`, gapless seqs, the text of an uninterrupted run (the fake engine continues
+    like greedy decoding; tests/integration/test_chaos.py checks the same with the real model)."""
     from worker.doubles import MemoryConsumer, MemoryProducer
+    from worker.engine import GenParams
 
     mem = Memory(partitions=1, engine=Pausable())
     mem.send("standard", J({"id": "rb", "prompt": "blip", "max_tokens": 90}), b"rb")
@@ -276,6 +278,10 @@ async def test_a_redis_blip_then_a_kill_loses_and_changes_nothing():
     assert sorted(texts) == list(range(done.seq)) and "".join(texts[i] for i in range(done.seq)) == done.text
     assert done.usage.completion_tokens == 90
     assert all(texts[s] == text for s, text in sent_by_a.items())  # what the dead worker sent stands
+    ref = FakeEngine()
+    uninterrupted = [d.text async for d in ref.generate("ref", ref.prompt_ids(Request(id="r", prompt="blip")),
+                                                         GenParams(90), 0)]
+    assert done.text == "".join(uninterrupted)
 
 
 async def test_records_read_before_a_revoke_are_not_taken_after_it():
@@ -302,3 +308,22 @@ async def test_records_read_before_a_revoke_are_not_taken_after_it():
         await mem.consumer.assign(everything)  # it comes back: read again from the committed offset
         assert await until(mem.all_committed, timeout=10)
     assert [f.id for f in mem.finals()["w1"]] == ["w1"] and len(runs("w1")) == 1
+
+
+async def test_a_record_read_during_a_redis_failover_waits_for_its_stored_answer():
+    """Redis is away when an answered id is read again (a redelivery during a master failover): the
+    record waits for Redis instead of running again, then gets the stored answer re-sent."""
+    mem = Memory(partitions=1, redis_lookup_wait_s=5)
+    mem.send("standard", J({"id": "f1", "prompt": "x", "max_tokens": 4}), b"f1")
+    async with running(mem):
+        assert await until(mem.all_committed)
+        first = mem.finals()["f1"]
+        mem.answers.available = False
+        mem.send("standard", J({"id": "f1", "prompt": "x", "max_tokens": 4}), b"f1")
+        await asyncio.sleep(0.5)
+        assert len(mem.finals()["f1"]) == 1, "answered while the stored answer could not be looked up"
+        mem.answers.available = True
+        assert await until(mem.all_committed)
+    finals = mem.finals()["f1"]
+    assert len(finals) == 2 and finals[0] == finals[1] and not finals[1].unchecked
+    assert len([s for s in mem.engine.started if s.startswith("f1@")]) == 1
