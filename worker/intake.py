@@ -85,7 +85,12 @@ class Intake:
                 continue
             self.liveness.polled(cls)
             # A rebalance during the fetch: what was read from a revoked partition is the new owner's.
-            got = {tp: records for tp, records in got.items() if self._still_ours(tp, generations)}
+            # If the partition came straight back, the fetch may have read on from the committed offset
+            # it restarted at: go back there, or those records would be skipped.
+            for tp in [tp for tp in got if not self._still_ours(tp, generations)]:
+                del got[tp]
+                if tp in self.consumer.assignment():
+                    await self._rewind(tp)
             jobs = [job for tp, records in got.items() for record in records
                     if (job := self.take(topic, tp, record)) is not None]
             if jobs:
@@ -136,6 +141,13 @@ class Intake:
                     break
                 for part, records in recs.items():
                     got.setdefault(part, []).extend(records)
+
+    async def _rewind(self, tp) -> None:
+        committed = await self.consumer.committed(tp)
+        if committed is None:
+            await self.consumer.seek_to_beginning(tp)
+        else:
+            self.consumer.seek(tp, committed)
 
     def _still_ours(self, tp, generations: dict) -> bool:
         return tp in self.consumer.assignment() and self.tracker.generation(tp) == generations.get(tp)
