@@ -48,6 +48,9 @@ class Replies:
             raise Fenced(job)  # another worker took the request over while this one was paused
         if stored is None:
             metrics.answers_unstored.inc()
+            if isinstance(final, DoneReply) and not final.unchecked:
+                # not stored: a later attempt may answer this id again, so the reader is told
+                final = msgspec.structs.replace(final, unchecked=True)
         await self.emitter.final(job.reply_to, final, self.running)
         outcome = final.code.value if isinstance(final, ErrorReply) else final.finish_reason
         metrics.requests_completed.labels(cls, outcome).inc()

@@ -14,6 +14,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 import structlog
 
 from schemas import DoneReply, ErrorCode, ErrorReply, Limits, Request, TokenReply, Usage
@@ -254,6 +255,8 @@ class Runner:
             metrics.tokens_held.inc()
             return
         held, job.unstored = job.unstored, []
+        if not stored:  # sent without stored progress: a later attempt cannot repeat them, so say so
+            held = [msgspec.structs.replace(r, unchecked=True) for r in held]
         for reply in held:
             await self._send_token(job, reply)
 
