@@ -13,7 +13,8 @@ must be zero (`FAILURES`):
 - `fuzz_unaccounted`: a fuzzed record with neither a final reply for the id it carries nor a
   dead letter naming its coordinates;
 - `commit_violations`: a committed offset seen while an earlier record of that partition had
-  no final reply or dead letter produced yet;
+  no final reply or dead letter produced yet, and no later record with its id was still
+  uncommitted (one that took the id over and owes its answer);
 - `uncommitted`: a partition whose committed offset never reached its end;
 - `malformed_replies`: a record on the reply topic that does not decode as a reply.
 """
@@ -57,15 +58,19 @@ class Audit:
         self.malformed = 0
         self.uncommitted: list[str] = []
         self.snapshots: list[tuple[int, dict]] = []
+        self.by_id: dict[str, list[Coords]] = {}  # id -> every record sent with it
 
     # --- what was sent
     def sent(self, rid: str, streamed: bool, coords: Coords) -> None:
         self.requests.setdefault(rid, _Request(streamed))
         self.record_ids[coords] = rid
+        self.by_id.setdefault(rid, []).append(coords)
 
     def fuzzed(self, coords: Coords, reply_id: str | None) -> None:
         self.fuzz[coords] = reply_id
         self.record_ids[coords] = reply_id
+        if reply_id is not None:
+            self.by_id.setdefault(reply_id, []).append(coords)
 
     # --- what came out
     def reply(self, value: bytes, ts_ms: int) -> object | None:
@@ -115,7 +120,7 @@ class Audit:
                     if coords not in self.record_ids:
                         continue  # not sent by this run (a producer retry's duplicate, say)
                     ended = self.ended_ms(coords)
-                    if ended is None or ended > at_ms:
+                    if (ended is None or ended > at_ms) and not self._owed_elsewhere(coords, offsets):
                         out.append(f"{topic}[{partition}] committed {committed} at {at_ms} before offset {o} "
                                    f"was answered ({ended})")
                 checked[(topic, partition)] = max(start, committed)
@@ -133,6 +138,13 @@ class Audit:
 
     def _unaccounted(self, coords: Coords, rid: str | None) -> bool:
         return coords not in self.dead_ms and not (rid is not None and rid in self.final_ms)
+
+    def _owed_elsewhere(self, coords: Coords, offsets: dict) -> bool:
+        """A later record with the same id took the id over (fencing): it answers for both, and while
+        it is not committed its answer is still owed, so committing the earlier one loses nothing."""
+        rid = self.record_ids.get(coords)
+        return rid is not None and any(
+            c != coords and o >= offsets.get((t, p), 0) for c in self.by_id.get(rid, ()) for t, p, o in [c])
 
     @property
     def violations(self) -> list[str]:

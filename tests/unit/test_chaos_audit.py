@@ -119,6 +119,22 @@ def test_a_commit_is_checked_against_when_each_record_was_answered():
     assert b.violations == []
 
 
+def test_a_record_taken_over_by_a_later_one_with_its_id_may_be_committed_first():
+    a = Audit()
+    a.fuzzed((*T, 0), "dup")
+    a.fuzzed((*T, 1), "dup")  # fences the first; answers the id
+    a.committed(10, {T: 1})  # the first committed before any final: the second still owes it
+    a.reply(error("dup", "invalid_request"), 20)
+    a.committed(30, {T: 2})
+    assert a.violations == []
+    b = Audit()
+    b.fuzzed((*T, 0), "dup")
+    b.fuzzed((*T, 1), "dup")
+    b.committed(10, {T: 2})  # both committed, no final yet: lost if the worker dies now
+    b.reply(error("dup", "invalid_request"), 20)
+    assert len(b.violations) == 2
+
+
 def test_the_fault_schedule_spreads_over_the_window_and_names_unknown_faults():
     s = schedule("kill,pause,kill", 100)
     assert [f.kind for f in s] == ["kill", "pause", "kill"]
