@@ -73,7 +73,7 @@ class Pool:
 
     async def wait_ready(self, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
-        while not all(ready(m.port) for m in self.alive()):
+        while len(self.alive()) < self.size or not all(ready(m.port) for m in self.alive()):
             for m in self.members:
                 if m.proc.poll() is not None:
                     tail = (self.logs / f"{m.name}.log").read_text(errors="replace")[-2000:]
