@@ -72,12 +72,27 @@ def kv_connector_config(settings, fingerprint: str) -> dict:
             "fingerprint": fingerprint}
 
 
-def model_fingerprint(model: str, dtype: str) -> str:
-    """Names the exact weights and KV layout, so pages of another model or dtype never match."""
+def engine_args(config, dtype: str) -> dict:
+    """vLLM engine arguments from the `engine` settings (everything but the KV connector): one place,
+    so every process and benchmark arm that builds an engine from settings gets the same ones."""
+    args = dict(model=config.model, dtype=dtype, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+                scheduling_policy="priority", enable_prefix_caching=config.enable_prefix_caching,
+                gpu_memory_utilization=config.gpu_memory_utilization, disable_log_stats=True,
+                tensor_parallel_size=config.tensor_parallel_size, pipeline_parallel_size=config.pipeline_parallel_size,
+                kv_cache_dtype=config.kv_cache_dtype)
+    if config.quantization is not None:
+        args["quantization"] = config.quantization
+    if config.max_num_batched_tokens is not None:
+        args["max_num_batched_tokens"] = config.max_num_batched_tokens
+    return args
+
+
+def model_fingerprint(model: str, dtype: str, kv_cache_dtype: str = "auto") -> str:
+    """Names the exact weights and KV layout, so pages of another model, dtype or cache dtype never match."""
     import hashlib
     from pathlib import Path
 
-    h = hashlib.sha256(dtype.encode())
+    h = hashlib.sha256(dtype.encode() + (b"" if kv_cache_dtype == "auto" else b"/kv=" + kv_cache_dtype.encode()))
     root = Path(model)
     for name in ("sluice-manifest.json", "config.json"):
         if (root / name).is_file():
@@ -166,22 +181,12 @@ class VllmEngine:
         if settings.kv.pages:
             from vllm.config import KVTransferConfig
 
-            extra = kv_connector_config(settings, model_fingerprint(config.model, dtype))
+            extra = kv_connector_config(settings, model_fingerprint(config.model, dtype, config.kv_cache_dtype))
             kv_transfer = KVTransferConfig(kv_connector="SluiceKVConnector", kv_connector_module_path="worker.kv_connector",
                                            kv_role="kv_both", kv_load_failure_policy="recompute",
                                            kv_connector_extra_config=extra)
         self.kv_enabled = kv_transfer is not None
-        args = AsyncEngineArgs(
-            model=config.model,
-            dtype=dtype,
-            max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            scheduling_policy="priority",
-            enable_prefix_caching=config.enable_prefix_caching,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            disable_log_stats=True,
-            kv_transfer_config=kv_transfer,
-        )
+        args = AsyncEngineArgs(**engine_args(config, dtype), kv_transfer_config=kv_transfer)
         self._guard = EngineGuard()
         self._guard.before()
         self._llm = AsyncLLM.from_engine_args(args)
@@ -265,7 +270,8 @@ class VllmEngine:
 
     @property
     def fingerprint(self) -> str:
-        return model_fingerprint(self.config.model, resolve_dtype(self.config.dtype, self.device))
+        return model_fingerprint(self.config.model, resolve_dtype(self.config.dtype, self.device),
+                                 self.config.kv_cache_dtype)
 
     def unfinished(self) -> int:
         """Requests the engine still holds (running or waiting)."""

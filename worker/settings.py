@@ -109,6 +109,12 @@ class EngineSettings(_Section):
     cpu_kvcache_gib: Positive = 2
     gpu_memory_utilization: Annotated[float, Meta(gt=0, le=1)] = 0.85
     enable_prefix_caching: bool = True
+    # Sizing for accelerators; passed to vLLM as they are (`vllm serve --help` describes each).
+    tensor_parallel_size: Positive = 1
+    pipeline_parallel_size: Positive = 1
+    quantization: Annotated[str, Meta(pattern=r"^[a-z0-9_-]+$")] | None = None  # awq, gptq, fp8, ... (vLLM's names)
+    kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    max_num_batched_tokens: Positive | None = None  # None: vLLM's default for the device
 
 
 class StreamSettings(_Section):

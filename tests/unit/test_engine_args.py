@@ -1,0 +1,57 @@
+"""Engine sizing settings reach vLLM's engine arguments, validated at start-up."""
+
+import dataclasses
+
+import pytest
+
+from worker.engine import engine_args, model_fingerprint
+from worker.settings import SettingsError, load
+
+
+def args(**env):
+    s = load(environ={f"SLUICE_{k.upper()}": str(v) for k, v in env.items()})
+    return engine_args(s.engine, "bfloat16")
+
+
+def test_defaults_leave_vllm_to_choose_what_it_knows_best():
+    a = args()
+    assert a["tensor_parallel_size"] == 1 and a["pipeline_parallel_size"] == 1 and a["kv_cache_dtype"] == "auto"
+    assert "quantization" not in a and "max_num_batched_tokens" not in a
+    assert a["scheduling_policy"] == "priority" and a["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("env, key, value", [
+    ({"tensor_parallel_size": 8}, "tensor_parallel_size", 8),
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size", 2),
+    ({"quantization": "awq"}, "quantization", "awq"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype", "fp8"),
+    ({"max_num_batched_tokens": 8192}, "max_num_batched_tokens", 8192),
+    ({"gpu_memory_utilization": 0.9}, "gpu_memory_utilization", 0.9),
+    ({"enable_prefix_caching": "false"}, "enable_prefix_caching", False),
+])
+def test_each_sizing_setting_is_passed_on(env, key, value):
+    assert args(**env)[key] == value
+
+
+@pytest.mark.parametrize("env, variable", [
+    ({"tensor_parallel_size": 0}, "SLUICE_TENSOR_PARALLEL_SIZE"),
+    ({"kv_cache_dtype": "int4"}, "SLUICE_KV_CACHE_DTYPE"),
+    ({"quantization": "AWQ; rm"}, "SLUICE_QUANTIZATION"),
+    ({"max_num_batched_tokens": -1}, "SLUICE_MAX_NUM_BATCHED_TOKENS"),
+])
+def test_a_bad_sizing_setting_stops_start_up_naming_its_variable(env, variable):
+    with pytest.raises(SettingsError, match=variable):
+        args(**env)
+
+
+def test_pages_of_another_kv_cache_dtype_never_match(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert model_fingerprint(str(tmp_path), "bfloat16") != model_fingerprint(str(tmp_path), "bfloat16", "fp8")
+    assert model_fingerprint(str(tmp_path), "bfloat16") == model_fingerprint(str(tmp_path), "bfloat16", "auto")
+
+
+def test_every_argument_is_one_vllm_knows():
+    arg_utils = pytest.importorskip("vllm.engine.arg_utils")
+    known = {f.name for f in dataclasses.fields(arg_utils.AsyncEngineArgs)}
+    a = args(quantization="awq", max_num_batched_tokens=4096)
+    assert set(a) <= known, set(a) - known
