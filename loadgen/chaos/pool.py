@@ -37,6 +37,7 @@ class Member:
     port: int
     paused: bool = False
     leaving: bool = False  # asked to leave: not restarted when it exits
+    was_ready: bool = False  # answered /readyz 200 once: its engine is loaded and it has joined
 
 
 @dataclass
@@ -70,6 +71,8 @@ class Pool:
         for _ in range(self.size):
             self.spawn()
         await self.wait_ready(timeout_s)
+        for m in self.members:
+            m.was_ready = True
 
     async def wait_ready(self, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
@@ -86,8 +89,10 @@ class Pool:
         return [m for m in self.members if m.proc.poll() is None]
 
     def targets(self) -> list[Member]:
-        """Members a fault may hit: running, not paused, not leaving."""
-        return [m for m in self.alive() if not m.paused and not m.leaving]
+        """Members a fault may hit: running, not paused, not leaving; serving ones first (a worker
+        still loading its engine holds no requests to lose)."""
+        alive = [m for m in self.alive() if not m.paused and not m.leaving]
+        return [m for m in alive if m.was_ready] or alive
 
     async def watch(self) -> None:
         """Restart members that exit, keeping `size` workers, and record every exit."""
@@ -95,6 +100,9 @@ class Pool:
             for m in list(self.members):
                 rc = m.proc.poll()
                 if rc is None:
+                    if not m.was_ready and not m.paused and await asyncio.to_thread(ready, m.port):
+                        m.was_ready = True
+                        self.note("ready", m.name)
                     continue
                 self.members.remove(m)
                 self.note("exit", f"{m.name} rc={rc}")
