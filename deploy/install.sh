@@ -13,6 +13,14 @@ if ! command -v redis-server >/dev/null; then
     echo "run: sudo apt-get install -y redis-server redis-tools" >&2; exit 1; fi
 fi
 
+arch=$(uname -m)
+case "$extra/$arch" in
+  cpu/x86_64|cpu/aarch64|cuda/x86_64|cuda/aarch64) ;;
+  npu/*) echo "install.sh: no NPU build to install: vllm-ascend's newest release (0.23.0.post1) is built for vLLM 0.23, and sluice is tested against vLLM 0.32" >&2; exit 2 ;;
+  cpu/*|cuda/*) echo "install.sh: no $extra build of vLLM 0.32 for $arch (x86_64 and aarch64 have one)" >&2; exit 2 ;;
+  *) echo "install.sh: unknown extra '$extra': use cpu, cuda or npu" >&2; exit 2 ;;
+esac
+
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 pip="$venv/bin/python -m pip"
 $pip install -q -U pip

@@ -45,3 +45,13 @@ async def test_the_worker_exits_1_with_the_reason_when_its_device_is_missing(mon
     monkeypatch.setattr(service.log, "error", lambda event, **kw: logged.append((event, kw)))
     assert await service.run_worker(settings(device="cuda"), CATALOG) == 1
     assert logged and logged[0][0] == "device_unavailable" and "SLUICE_DEVICE=cuda" in logged[0][1]["error"]
+
+
+def test_install_script_refuses_a_platform_without_a_build_in_one_line(tmp_path):
+    import subprocess
+
+    for extra, says in [("npu", "no NPU build to install"), ("tpu", "unknown extra 'tpu'")]:
+        res = subprocess.run(["bash", "deploy/install.sh", str(tmp_path / "venv"), extra], capture_output=True,
+                             text=True, timeout=60)
+        assert res.returncode == 2 and says in res.stderr and len(res.stderr.strip().splitlines()) == 1, res
+        assert not (tmp_path / "venv").exists()  # stopped before creating anything
