@@ -347,3 +347,20 @@ async def test_a_record_read_during_a_redis_failover_waits_for_its_stored_answer
     finals = mem.finals()["f1"]
     assert len(finals) == 2 and finals[0] == finals[1] and not finals[1].unchecked
     assert len([s for s in mem.engine.started if s.startswith("f1@")]) == 1
+
+
+async def test_an_answer_that_cannot_be_stored_is_marked_on_its_done():
+    """Redis goes away between the last token and the answer: the `done` still goes out (and its
+    offset is committed), marked `unchecked`, since a later attempt may answer the id again; the
+    token records before it were stored and are not marked."""
+    mem = Memory(partitions=1)
+    mem.answers.hold = asyncio.Event()
+    mem.send("standard", J({"id": "u1", "prompt": "x", "max_tokens": 3}), b"u1")
+    async with running(mem):
+        assert await until(lambda: len(mem.tokens()) == 3)
+        mem.answers.available = False  # the answer write fails
+        mem.answers.hold.set()
+        assert await until(mem.all_committed)
+    (done,) = mem.finals()["u1"]
+    assert done.unchecked and "u1" not in mem.answers.answers
+    assert not any(t.unchecked for t in mem.tokens())
