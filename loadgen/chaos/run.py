@@ -91,7 +91,14 @@ class Run:
         window = sc.requests / sc.rate
         plan = workload.plan(sc.requests, sc.rate, sc.seed, self.run_id, sc.max_tokens)
         rng = random.Random(sc.seed)
-        fuzzed = fuzz.generate(sc.fuzz, sc.seed, self.catalog.replies.name) if sc.fuzz else []
+        # A record with neither key nor value cannot be sent with this client (aiokafka asserts);
+        # generate until `fuzz` records can be.
+        fuzzed: list = []
+        extra = 0
+        while sc.fuzz and len(fuzzed) < sc.fuzz:
+            fuzzed = [f for f in fuzz.generate(sc.fuzz + extra, sc.seed, self.catalog.replies.name)
+                      if f[1] is not None or f[2] is not None][: sc.fuzz]
+            extra += max(10, sc.fuzz // 20)
         items = [(p.at_s, "valid", p) for p in plan] + [(_item_time(rng, window), "fuzz", f) for f in fuzzed]
         items.sort(key=lambda x: x[0])
         schedule = faults_mod.schedule(sc.faults, window) if sc.faults else []
