@@ -42,8 +42,12 @@ def plot(result: dict, path: Path) -> None:
     top.plot(t, [s["sent_per_s"] for s in series], label="requests sent / s", color="tab:gray", alpha=0.6)
     top.set_ylabel("per second")
     bottom.plot(t, [s["in_flight"] for s in series], label="requests in flight", color="tab:orange")
-    bottom.step(t, [s["workers"] for s in series], where="post", label="worker processes", color="tab:green")
-    bottom.set_ylabel("count")
+    bottom.set_ylabel("requests in flight")
+    workers = bottom.twinx()
+    workers.step(t, [s["workers"] for s in series], where="post", label="worker processes", color="tab:green")
+    workers.set_ylabel("worker processes")
+    workers.set_ylim(0, max([s["workers"] for s in series] or [1]) + 1)
+    workers.legend(loc="upper left", fontsize=8)
     bottom.set_xlabel("seconds since the first request")
     colors = {"kill": "red", "pause": "purple", "join": "green", "leave": "olive", "redis": "brown", "broker": "black"}
     for start, end, label in result["spans"]:
