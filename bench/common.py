@@ -121,12 +121,70 @@ async def worker_process(s, tag: str, log_path: Path, **env):
         topics_file.unlink(missing_ok=True)
 
 
-def run_offline_child(script: str, model: str) -> dict:
+# Every arm of a comparison runs vLLM with the same engine arguments and the same CPU binding.
+# vLLM on CPU reserves a core for its own scheduler, and one more when a KV connector is
+# configured (sluice's); on a small machine the second request is dropped, so arms that look
+# alike could compute on different cores. Each arm gets the same reservation, and its log's
+# binding line is compared (`binding`, `same_binding`).
+RESERVED_CPUS_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def bench_engine_settings(args, **extra):
+    """The engine settings of every arm, from the bench's arguments (one place for all of them)."""
+    env = {"SLUICE_MAX_NUM_SEQS": str(args.max_num_seqs), "SLUICE_MAX_MODEL_LEN": str(args.max_model_len),
+           "SLUICE_CPU_KVCACHE_GIB": str(args.kv_gib), "SLUICE_MODEL": args.model,
+           "SLUICE_MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens), **extra}
+    return load(environ={**os.environ, **env}), env
+
+
+def arm_env(args) -> dict:
+    return {**os.environ, RESERVED_CPUS_ENV: str(args.reserved_cpus), "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)}
+
+
+def binding(log_text: str) -> str | None:
+    """vLLM's CPU binding ('reserve_cpu_num=2, core ids=[0, 1], reserved_cpus=[]'), from the last
+    lines an arm's engine logged about it (they come on three log lines)."""
+    import re
+
+    parts = []
+    for pattern in (r"reserve_cpu_num=\d+", r"core ids=\[[^\]]*\]", r"reserved_cpus=\[[^\]]*\]"):
+        found = re.findall(pattern, log_text)
+        if not found:
+            return None
+        parts.append(found[-1])
+    return ", ".join(parts)
+
+
+def same_binding(logs: dict[str, str]) -> dict[str, str | None]:
+    """Each arm's binding; raises when they differ (the comparison would not be like with like)."""
+    found = {name: binding(text) for name, text in logs.items()}
+    cores = {name: (b.split("core ids=")[1] if b else None) for name, b in found.items()}
+    if len(set(cores.values())) > 1:
+        raise SystemExit("arms computed on different cores, so their ratio would mislead:\n"
+                         + "\n".join(f"  {k}: {v}" for k, v in found.items()))
+    return found
+
+
+def vllm_cli_flags(engine_args: dict) -> list[str]:
+    """The same engine arguments as `vllm serve` flags."""
+    flags = []
+    for key, value in engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def run_offline_child(script: str, model: str, env=None, log_path: Path | None = None) -> dict:
     """Re-run `script` with --child-offline in its own process; returns the JSON of its RESULT line."""
     import json
 
     cmd = [sys.executable, script, "--child-offline", *sys.argv[1:], "--model", model]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(script).resolve().parent.parent)
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(script).resolve().parent.parent, env=env)
+    if log_path is not None:
+        log_path.write_text(out.stderr + out.stdout)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])

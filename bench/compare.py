@@ -11,8 +11,13 @@ at once, the engine admitting up to `--max-num-seqs`):
   sluice   `sluice worker` in its own process; requests published to the
            standard topic, streamed token replies read back from Kafka
 
-Each path runs in its own process with the same engine settings and is warmed
-up before it is timed. Prints throughput (requests/s, output tokens/s), TTFT and
+Each path runs in its own process with the same engine arguments (built once by
+`worker.engine.engine_args` from the same settings: dtype, lengths, batch sizes, priority
+scheduling, prefix caching), the same reserved CPUs (`--reserved-cpus`, the script checks
+each arm's binding in its log and stops if they differ), the same warm-up, and
+sluice without KV pages (the others save none; `--sluice-pages` adds a fourth arm
+with them, to show what they cost). Output token totals are compared: greedy
+decoding on one model should give the same lengths, and the script says when not. Prints throughput (requests/s, output tokens/s), TTFT and
 end-to-end percentiles, and the ratios sluice/offline and sluice/server;
 writes bench/compare.json.
 """
@@ -37,7 +42,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench import common  # noqa: E402
-from worker.engine import resolve_dtype  # noqa: E402
+from worker.engine import engine_args, resolve_dtype  # noqa: E402
 from loadgen.burst import COUNTRIES, MERCHANTS, ReplyReader, percentile, produce  # noqa: E402
 from schemas import DoneReply, ErrorReply  # noqa: E402
 
@@ -72,12 +77,11 @@ def stats(name: str, span: float, done: int, out_tokens: int, ttft: list[float],
 
 def offline_child(args) -> None:
     """Runs in its own process: prints one JSON line with the result."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_gib))
     from vllm import LLM, SamplingParams
 
     texts = prompts(args.model, args.requests, args.prompt_tokens)
-    llm = LLM(model=args.model, dtype=resolve_dtype("auto", "cpu"), max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              enable_prefix_caching=True, disable_log_stats=True)
+    s, _ = common.bench_engine_settings(args)
+    llm = LLM(**engine_args(s.engine, resolve_dtype("auto", "cpu")))
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     llm.generate([f"warm up {i}" for i in range(8)], SamplingParams(max_tokens=8), use_tqdm=False)
     t0 = time.monotonic()
@@ -89,7 +93,7 @@ def offline_child(args) -> None:
 
 
 def run_offline(args) -> dict:
-    return common.run_offline_child(__file__, args.model)
+    return common.run_offline_child(__file__, args.model, env=common.arm_env(args), log_path=OUT / ".compare-offline.log")
 
 
 # -- (b) OpenAI server -------------------------------------------------------
@@ -98,12 +102,11 @@ async def run_server(args, texts: list[str]) -> dict:
     import aiohttp
 
     port = common.free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)}
+    env = common.arm_env(args)
+    s, _ = common.bench_engine_settings(args)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--port", str(port),
-         "--host", "127.0.0.1", "--dtype", resolve_dtype("auto", "cpu"), "--max-model-len", str(args.max_model_len),
-         "--max-num-seqs", str(args.max_num_seqs), "--enable-prefix-caching", "--disable-log-stats",
-         "--uvicorn-log-level", "warning"],
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--port", str(port), "--host", "127.0.0.1",
+         *common.vllm_cli_flags(engine_args(s.engine, resolve_dtype("auto", "cpu"))), "--uvicorn-log-level", "warning"],
         env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(OUT / ".compare-server.log", "w"),
         start_new_session=True)
     try:
@@ -143,10 +146,11 @@ async def run_server(args, texts: list[str]) -> dict:
 
 # -- (c) sluice --------------------------------------------------------------
 
-async def run_sluice(args, texts: list[str], s) -> dict:
-    env = {"SLUICE_MAX_NUM_SEQS": str(args.max_num_seqs), "SLUICE_MAX_MODEL_LEN": str(args.max_model_len),
-           "SLUICE_CPU_KVCACHE_GIB": str(args.kv_gib), "SLUICE_MODEL": args.model}
-    async with common.worker_process(s, "bc", OUT / ".compare-worker.log", **env) as cat:
+async def run_sluice(args, texts: list[str], s, pages: bool = False) -> dict:
+    _, env = common.bench_engine_settings(args, SLUICE_KV_PAGES=str(pages).lower())
+    env[common.RESERVED_CPUS_ENV] = str(args.reserved_cpus)
+    name = "sluice+kv" if pages else "sluice"
+    async with common.worker_process(s, "bc", OUT / f".compare-{name}.log", **env) as cat:
         topic = cat.request_topic("standard").name
         tag = uuid.uuid4().hex[:6]
 
@@ -175,20 +179,20 @@ async def run_sluice(args, texts: list[str], s) -> dict:
 
         await burst([{"id": f"{tag}-w{i}", "prompt": f"warm up {i}", "max_tokens": 8} for i in range(8)])
         bodies = [{"id": f"{tag}-{i}", "prompt": t, "max_tokens": args.max_tokens} for i, t in enumerate(texts)]
-        with tqdm(total=len(bodies), desc="sluice", unit="req", mininterval=2) as bar:
+        with tqdm(total=len(bodies), desc=name, unit="req", mininterval=2) as bar:
             t0, sent, first, done = await burst(bodies, bar)
     span = max(t for t, _ in done.values()) - t0
     errors = [r for _, r in done.values() if isinstance(r, ErrorReply)]
     if errors:
         print(f"  {len(errors)} error replies, e.g. {errors[0]}")
     toks = sum(r.usage.completion_tokens for _, r in done.values() if isinstance(r, DoneReply))
-    return stats("sluice", span, len(done), toks, [first[i] - sent[i] for i in done], [done[i][0] - sent[i] for i in done])
+    return stats(name, span, len(done), toks, [first[i] - sent[i] for i in done], [done[i][0] - sent[i] for i in done])
 
 
 def table(results: list[dict]) -> str:
-    rows = [f"{'path':8s} {'req/s':>7s} {'tok/s':>7s} {'ttft p50':>9s} {'ttft p99':>9s} {'e2e p50':>8s} {'e2e p99':>8s}"]
+    rows = [f"{'path':9s} {'req/s':>7s} {'tok/s':>7s} {'ttft p50':>9s} {'ttft p99':>9s} {'e2e p50':>8s} {'e2e p99':>8s}"]
     for r in results:
-        rows.append(f"{r['name']:8s} {r['req_per_s']:7.2f} {r['tok_per_s']:7.1f} {r['ttft_p50']:8.2f}s "
+        rows.append(f"{r['name']:9s} {r['req_per_s']:7.2f} {r['tok_per_s']:7.1f} {r['ttft_p50']:8.2f}s "
                     f"{r['ttft_p99']:8.2f}s {r['e2e_p50']:7.2f}s {r['e2e_p99']:7.2f}s")
     return re.sub(r"nans", "  - ", "\n".join(rows))
 
@@ -205,15 +209,29 @@ async def main(args) -> None:
     results.append(await run_server(args, texts))
     print("sluice: starting `sluice worker` ...", flush=True)
     results.append(await run_sluice(args, texts, s))
+    logs = {"offline": ".compare-offline.log", "server": ".compare-server.log", "sluice": ".compare-sluice.log"}
+    if args.sluice_pages:
+        print("sluice+kv: starting `sluice worker` with KV pages ...", flush=True)
+        results.append(await run_sluice(args, texts, s, pages=True))
+        logs["sluice+kv"] = ".compare-sluice+kv.log"
+    binding = common.same_binding({k: (OUT / v).read_text(errors="replace") for k, v in logs.items()})
     by = {r["name"]: r for r in results}
     print(f"\n{args.requests} requests x ~{args.prompt_tokens} prompt tokens x {args.max_tokens} output tokens, "
-          f"greedy, max_num_seqs {args.max_num_seqs}; {common.machine()}; {common.today()}; rev {common.git_rev()}")
+          f"greedy, max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
+          f"{common.RESERVED_CPUS_ENV}={args.reserved_cpus}; {common.machine()}; {common.today()}; rev {common.git_rev()}")
+    for name, b in binding.items():
+        print(f"  binding {name}: {b}")
     print(table(results))
-    ratios = {f"sluice/{ref}": by["sluice"]["tok_per_s"] / by[ref]["tok_per_s"] for ref in ("offline", "server")}
+    counts = {r["name"]: r["output_tokens"] for r in results}
+    if max(counts.values()) > 1.02 * min(counts.values()):
+        print(f"output token totals differ by more than 2% ({counts}): tokens/s ratios are not like with like")
+    ratios = {f"{arm}/{ref}": by[arm]["tok_per_s"] / by[ref]["tok_per_s"]
+              for arm in by if arm.startswith("sluice") for ref in ("offline", "server")}
     for k, v in ratios.items():
         print(f"throughput {k}: {v:.3f}")
     (OUT / "compare.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "child_offline"},
-                                                  "results": results, "ratios": ratios,
+                                                  "results": results, "ratios": ratios, "binding": binding,
+                                                  "output_tokens": counts,
                                                   "machine": common.machine(), "date": common.today()}, indent=2))
     print(f"wrote {OUT / 'compare.json'}")
 
@@ -226,6 +244,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-gib", type=int, default=2)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--reserved-cpus", type=int, default=0,
+                   help="VLLM_CPU_NUM_OF_RESERVED_CPU for every arm (0: every arm computes on every core)")
+    p.add_argument("--sluice-pages", action="store_true", help="a fourth arm: sluice with KV pages in Redis")
     p.add_argument("--model", default=None, help="default: the bundled model")
     p.add_argument("--child-offline", action="store_true", help=argparse.SUPPRESS)
     return p

@@ -1,0 +1,30 @@
+"""The benchmark's like-with-like checks: CPU binding read from each arm's log, engine flags."""
+
+import pytest
+
+from bench import common
+
+ENGINE_LOG = """(EngineCore pid=1) INFO [ompmultiprocessing.py:185] \tlocal_world_size=1, reserve_cpu_num=2
+(EngineCore pid=1) INFO [ompmultiprocessing.py:185] \tlocal_rank=0, core ids=[0, 1]
+(EngineCore pid=1) INFO [ompmultiprocessing.py:185] \treserved_cpus=[]
+"""
+
+
+def test_the_binding_is_read_from_the_engine_log():
+    assert common.binding(ENGINE_LOG) == "reserve_cpu_num=2, core ids=[0, 1], reserved_cpus=[]"
+    assert common.binding("no binding here") is None
+
+
+def test_arms_on_different_cores_stop_the_comparison():
+    one_core = ENGINE_LOG.replace("core ids=[0, 1]", "core ids=[1]").replace("reserved_cpus=[]", "reserved_cpus=[0]")
+    assert common.same_binding({"a": ENGINE_LOG, "b": ENGINE_LOG})["a"]
+    with pytest.raises(SystemExit, match="different cores"):
+        common.same_binding({"offline": one_core, "sluice": ENGINE_LOG})
+    with pytest.raises(SystemExit):
+        common.same_binding({"offline": "nothing logged", "sluice": ENGINE_LOG})
+
+
+def test_engine_arguments_become_the_same_server_flags():
+    flags = common.vllm_cli_flags({"model": "m", "max_num_seqs": 64, "enable_prefix_caching": False,
+                                   "disable_log_stats": True, "quantization": None})
+    assert flags == ["--model", "m", "--max-num-seqs", "64", "--no-enable-prefix-caching", "--disable-log-stats"]
