@@ -59,8 +59,10 @@ class Pool:
         self._started += 1
         name, port = f"w{self._started}", free_port()
         log = (self.logs / f"{name}.log").open("wb")
+        # Its own process group, like a container: whatever it started goes when it goes (`_reap`).
         proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], stdout=log, stderr=subprocess.STDOUT,
-                                env={**self.env, "SLUICE_METRICS_PORT": str(port)}, stdin=subprocess.DEVNULL)
+                                env={**self.env, "SLUICE_METRICS_PORT": str(port)}, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
         m = Member(name, proc, port)
         self.members.append(m)
         self.note("start", name)
@@ -105,6 +107,7 @@ class Pool:
                         self.note("ready", m.name)
                     continue
                 self.members.remove(m)
+                _reap(m)
                 self.note("exit", f"{m.name} rc={rc}")
                 if not m.leaving and len(self.members) < self.size:
                     await asyncio.sleep(self.restart_delay_s)
@@ -133,3 +136,13 @@ class Pool:
             except subprocess.TimeoutExpired:
                 m.proc.kill()
                 m.proc.wait()
+            _reap(m)
+
+
+def _reap(m: Member) -> None:
+    """Kill what is left of a member's process group (an engine whose worker died while loading it
+    has no guard yet), as a container runtime does when a container's main process exits."""
+    try:
+        os.killpg(m.proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
