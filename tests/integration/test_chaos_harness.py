@@ -16,6 +16,7 @@ from worker import devstack
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
+@pytest.mark.timeout(1500)  # two engines compile beside the session's own on 2 cores; a restart compiles again
 async def test_a_real_engine_chaos_run_loses_and_conflicts_nothing(settings, tmp_path):
     sc = Scenario(engine="vllm", requests=40, fuzz=40, rate=1.0, workers=2, faults="kill,pause,redis,broker",
                   seed=11, max_tokens=(4, 16), settle_s=420, ready_s=600, dev_dir=devstack.DEFAULT_DIR, out=tmp_path)
