@@ -111,8 +111,9 @@ async def worker_process(s, tag: str, log_path: Path, **env):
             "SLUICE_METRICS_HOST": "127.0.0.1", "SLUICE_KAFKA_IDEMPOTENCE": "false", "SLUICE_MODEL": s.engine.model,
             "SLUICE_GROUP_ID": f"{tag}-{uuid.uuid4().hex[:6]}", "SLUICE_LOG_LEVEL": "warning",
             "SLUICE_REDIS_KEY_PREFIX": f"{tag}-{uuid.uuid4().hex[:6]}", **env}
+    # vLLM logs to stdout (its CPU binding among it): both streams go to the log
     proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], env=full, cwd=root,
-                            stdout=subprocess.DEVNULL, stderr=open(log_path, "w"), start_new_session=True)
+                            stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
         await wait_http(f"http://127.0.0.1:{port}/readyz", proc)
         yield cat

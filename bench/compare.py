@@ -107,7 +107,7 @@ async def run_server(args, texts: list[str]) -> dict:
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--port", str(port), "--host", "127.0.0.1",
          *common.vllm_cli_flags(engine_args(s.engine, resolve_dtype("auto", "cpu"))), "--uvicorn-log-level", "warning"],
-        env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(OUT / ".compare-server.log", "w"),
+        env=env, cwd=ROOT, stdout=open(OUT / ".compare-server.log", "w"), stderr=subprocess.STDOUT,
         start_new_session=True)
     try:
         await common.wait_http(f"http://127.0.0.1:{port}/health", proc)
