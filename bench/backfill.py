@@ -9,6 +9,11 @@ Publishes N seeded transaction events to a fresh topic, then scores them
            topic through the batch class, results written to an output topic
 and prints both throughputs (events/s), their ratio, and how far sluice's scores
 are from the offline ones for the same events. Writes bench/backfill.json.
+
+Both arms get the same engine arguments (`worker.engine.engine_args` from the same
+settings), the same reserved CPUs (`--reserved-cpus`; each arm's binding is read from its
+log and the script stops if they differ), and sluice runs without KV pages (the offline
+arm has no connector).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench import common  # noqa: E402
-from worker.engine import resolve_dtype  # noqa: E402
+from worker.engine import engine_args, resolve_dtype  # noqa: E402
 from loadgen.burst import produce, read_topic  # noqa: E402
 from loadgen.events import transactions  # noqa: E402
 
@@ -38,15 +43,14 @@ OUT = Path(__file__).resolve().parent
 
 def offline_child(args) -> None:
     """Own process: render, score with vLLM offline, print one JSON line."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_gib))
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from schemas.templates import Templates
 
     template = Templates().get("fraud")
-    llm = LLM(model=args.model, dtype=resolve_dtype("auto", "cpu"), max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              enable_prefix_caching=True, disable_log_stats=True)
+    s, _ = common.bench_engine_settings(args)
+    llm = LLM(**engine_args(s.engine, resolve_dtype("auto", "cpu")))
     tok = llm.get_tokenizer()
 
     def ids(text: str) -> list[int]:
@@ -73,15 +77,15 @@ def offline_child(args) -> None:
 
 
 def run_offline(args) -> dict:
-    return common.run_offline_child(__file__, args.model)
+    return common.run_offline_child(__file__, args.model, env=common.arm_env(args), log_path=OUT / ".backfill-offline.log")
 
 
 async def run_sluice(args, s) -> dict:
     from schemas.events import BackfillResult
     from worker.backfill import Backfill, Job
 
-    env = {"SLUICE_MAX_NUM_SEQS": str(args.max_num_seqs), "SLUICE_MAX_MODEL_LEN": str(args.max_model_len),
-           "SLUICE_CPU_KVCACHE_GIB": str(args.kv_gib), "SLUICE_MODEL": args.model}
+    _, env = common.bench_engine_settings(args, SLUICE_KV_PAGES="false")
+    env[common.RESERVED_CPUS_ENV] = str(args.reserved_cpus)
     async with common.worker_process(s, "bb", OUT / ".backfill-worker.log", **env) as cat:
         prefix = cat.replies.name[: -len("sluice.replies")]
         source, out = f"{prefix}events", f"{prefix}scored"
@@ -121,11 +125,16 @@ async def main(args) -> None:
     print(f"offline: {off['events'] / off['seconds']:.1f} events/s")
     print("sluice: `sluice worker` + backfill ...", flush=True)
     sl = await run_sluice(args, s)
+    binding = common.same_binding({name: (OUT / f".backfill-{name}.log").read_text(errors="replace")
+                                   for name in ("offline", "worker")})
     diffs = [abs(sl["scores"][k]["fraud"] - v["fraud"]) for k, v in off["scores"].items()
              if sl["scores"].get(k)]
     off_rate, sl_rate = off["events"] / off["seconds"], sl["events"] / sl["seconds"]
-    print(f"\n{args.events} transaction events, template fraud, max_num_seqs {args.max_num_seqs}; "
+    print(f"\n{args.events} transaction events, template fraud, max_num_seqs {args.max_num_seqs}, "
+          f"max_num_batched_tokens {args.max_num_batched_tokens}, {common.RESERVED_CPUS_ENV}={args.reserved_cpus}; "
           f"{common.machine()}; {common.today()}; rev {common.git_rev()}")
+    for name, b in binding.items():
+        print(f"  binding {name}: {b}")
     print(f"offline  {off['events']:6d} events {off['seconds']:7.2f} s {off_rate:8.1f} events/s")
     print(f"sluice   {sl['events']:6d} events {sl['seconds']:7.2f} s {sl_rate:8.1f} events/s  ({sl['errors']} errors)")
     print(f"throughput sluice/offline: {sl_rate / off_rate:.3f}")
@@ -134,6 +143,7 @@ async def main(args) -> None:
     (OUT / "backfill.json").write_text(json.dumps({
         "args": {k: v for k, v in vars(args).items() if k != "child_offline"}, "offline_events_per_s": off_rate,
         "sluice_events_per_s": sl_rate, "ratio": sl_rate / off_rate, "score_diff_max": max(diffs, default=0),
+        "binding": binding,
         "machine": common.machine(), "date": common.today()}, indent=2))
     print(f"wrote {OUT / 'backfill.json'}")
 
@@ -146,6 +156,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-in-flight", type=int, default=512)
     p.add_argument("--kv-gib", type=int, default=2)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--reserved-cpus", type=int, default=0,
+                   help="VLLM_CPU_NUM_OF_RESERVED_CPU for both arms (0: both compute on every core)")
     p.add_argument("--model", default=None, help="default: the bundled model")
     p.add_argument("--child-offline", action="store_true", help=argparse.SUPPRESS)
     return p
