@@ -12,6 +12,15 @@ def tp_of(mem, cls, partition=0):
     return next(tp for tp in mem.broker.logs if tp.topic == CATALOG.request_topic(cls).name and tp.partition == partition)
 
 
+def one_stream(mem, done) -> dict[int, str]:
+    """The token records read as one stream: no seq with two texts, seqs 0..done.seq-1, joined to done.text."""
+    texts: dict[int, str] = {}
+    for t in mem.tokens():
+        assert texts.setdefault(t.seq, t.text) == t.text, f"seq {t.seq} repeated with other text"
+    assert sorted(texts) == list(range(done.seq)) and "".join(texts[i] for i in range(done.seq)) == done.text
+    return texts
+
+
 class Gated(FakeEngine):
     """Holds the request whose prompt is "hold" until `release` is set."""
 
@@ -97,11 +106,7 @@ async def test_revoke_aborts_running_requests_and_the_next_owner_continues_them(
         assert await until(mem.all_committed, timeout=20)
     (done,) = mem.finals()["long"]
     assert done.resumed and done.usage.completion_tokens == 100
-    texts: dict[int, str] = {}
-    for t in mem.tokens():
-        assert texts.setdefault(t.seq, t.text) == t.text, f"seq {t.seq} repeated with other text"
-    assert sorted(texts) == list(range(done.seq))
-    assert "".join(texts[i] for i in range(done.seq)) == done.text
+    one_stream(mem, done)
 
 
 async def test_a_failed_token_delivery_is_sent_again_before_done():
@@ -216,10 +221,7 @@ async def test_a_worker_that_wakes_after_its_request_moved_sends_nothing_more():
         await a.stop(grace_s=1)
     (done,) = mem.finals()["z1"]
     assert done.resumed
-    texts: dict[int, str] = {}
-    for t in mem.tokens():
-        assert texts.setdefault(t.seq, t.text) == t.text, f"seq {t.seq} repeated with other text"
-    assert sorted(texts) == list(range(done.seq)) and "".join(texts[i] for i in range(done.seq)) == done.text
+    one_stream(mem, done)
 
 
 async def test_the_same_id_many_times_at_once_is_answered_once_and_every_record_ends():
@@ -272,10 +274,7 @@ async def test_a_redis_blip_then_a_kill_loses_and_changes_nothing():
         await a.stop(grace_s=0.2)
     (done,) = mem.finals()["rb"]
     assert done.resumed
-    texts: dict[int, str] = {}
-    for t in mem.tokens():
-        assert texts.setdefault(t.seq, t.text) == t.text, f"seq {t.seq} repeated with other text"
-    assert sorted(texts) == list(range(done.seq)) and "".join(texts[i] for i in range(done.seq)) == done.text
+    texts = one_stream(mem, done)
     assert done.usage.completion_tokens == 90
     assert all(texts[s] == text for s, text in sent_by_a.items())  # what the dead worker sent stands
     ref = FakeEngine()
