@@ -1,6 +1,6 @@
 """Resuming a request on another worker: KV pages from Redis vs. recomputing the prefix.
 
-    python bench/resume.py [--prompts 6] [--prompt-tokens 1000] [--generated 64]
+    python bench/resume.py [--model smollm2|mla] [--prompts 6] [--prompt-tokens 1000] [--generated 64]
 
 One engine (real model, KV pages on). For each ~1k-token prompt, a first owner
 generates `--generated` tokens (its pages go to Redis) and "dies". Then, with the
@@ -10,7 +10,11 @@ prompt + generated tokens as its prefix, the way sluice resumes it:
   recompute  the same prefix with the connector not consulted: full prefill
 Prints the median time from pick-up to the first new token of each, their
 ratio, the greedy continuations' agreement, and Redis store/load bandwidth
-for the pages of one prompt. Writes bench/resume.json.
+for the pages of one prompt, and the page bytes per token, measured in Redis and
+expected from the model's KV shape. `--model mla` runs the tiny DeepSeek-V2-style
+model (multi-head latent attention; `sluice model prepare --mla`) instead of
+SmolLM2 (grouped-query attention, the same 30 layers). Writes bench/resume.json
+(bench/resume-mla.json).
 """
 
 from __future__ import annotations
@@ -65,12 +69,29 @@ async def wait_pages(redis, keys, timeout=120) -> None:
     raise TimeoutError("pages were not stored")
 
 
+MODELS = {"smollm2": "worker.model:prepare", "mla": "worker.model_mla:prepare_mla"}
+
+
+def kv_bytes_per_token(config: dict, itemsize: int) -> tuple[str, int]:
+    """What one token's KV takes across all layers, from the model's config."""
+    layers = config["num_hidden_layers"]
+    if "kv_lora_rank" in config:  # MLA: one latent plus the shared rope key per token and layer
+        return "MLA latent", layers * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * itemsize
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return "GQA K+V", layers * 2 * config["num_key_value_heads"] * head_dim * itemsize
+
+
 async def main(args) -> None:
+    import importlib
+
+    import torch
     from redis.cluster import RedisCluster
 
     from worker import kv_pages
 
-    s = common.settings()
+    module, fn = MODELS[args.model].split(":")
+    model_dir = getattr(importlib.import_module(module), fn)(log=lambda *_: None)
+    s = common.settings(SLUICE_MODEL=str(model_dir))
     print("loading the engine ...", flush=True)
     eng = await common.engine(s)
     redis = RedisCluster.from_url(s.redis.url)
@@ -113,9 +134,13 @@ async def main(args) -> None:
             pipe.set(k, v, ex=s.kv.ttl_s)
         pipe.execute()
         store_s = time.monotonic() - t0
+        itemsize = torch.empty(0, dtype=eng._llm.model_config.dtype).element_size()
+        dtype = str(eng._llm.model_config.dtype).removeprefix("torch.")
     finally:
         eng.shutdown()
         redis.close()
+    kind, expected = kv_bytes_per_token(json.loads((Path(model_dir) / "config.json").read_text()), itemsize)
+    per_token = nbytes / present / eng.block_size
     med_pages = statistics.median(r["ttft_pages"] for r in rows)
     med_rec = statistics.median(r["ttft_recompute"] for r in rows)
     print(f"\n{args.prompts} prompts x ~{rows[0]['prefix_tokens']} prefix tokens ({args.generated} generated); "
@@ -128,15 +153,20 @@ async def main(args) -> None:
           f"ratio {med_pages / med_rec:.3f}")
     print(f"redis: {present} pages, {nbytes / 1e6:.1f} MB; load {nbytes / load_s / 1e6:.0f} MB/s, "
           f"store {nbytes / store_s / 1e6:.0f} MB/s (one pipelined round each)")
-    (OUT / "resume.json").write_text(json.dumps({
-        "args": vars(args), "rows": rows, "median_pages_s": med_pages, "median_recompute_s": med_rec,
+    print(f"{args.model}: {per_token:.0f} page bytes per token in Redis ({eng.block_size}-token pages, {dtype}); "
+          f"{kind} {expected} bytes per token")
+    out = OUT / ("resume.json" if args.model == "smollm2" else f"resume-{args.model}.json")
+    out.write_text(json.dumps({
+        "args": vars(args), "model": str(model_dir), "dtype": dtype, "block_size": eng.block_size,
+        "page_bytes_per_token": per_token, "kv_kind": kind, "kv_bytes_per_token": expected, "rows": rows, "median_pages_s": med_pages, "median_recompute_s": med_rec,
         "ratio": med_pages / med_rec, "load_mb_s": nbytes / load_s / 1e6, "store_mb_s": nbytes / store_s / 1e6,
         "machine": common.machine(), "date": common.today()}, indent=2))
-    print(f"wrote {OUT / 'resume.json'}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--generated", type=int, default=64)

@@ -48,10 +48,14 @@ def cmd_dev(args) -> int:
 
 
 def cmd_model(args) -> int:
-    from worker.model import ModelError, prepare
+    from worker.model import DEFAULT_DIR as SMOLLM2_DIR, ModelError, prepare
+    from worker.model_mla import DEFAULT_DIR as MLA_DIR, prepare_mla
 
     try:
-        prepare(Path(args.out), force=args.force)
+        if args.mla:
+            prepare_mla(Path(args.out or MLA_DIR), force=args.force)
+        else:
+            prepare(Path(args.out or SMOLLM2_DIR), force=args.force)
     except ModelError as exc:
         print(f"sluice model prepare: {exc}", file=sys.stderr)
         return 1
@@ -218,9 +222,11 @@ def main(argv=None) -> int:
     p.add_argument("--state-dir", default=str(devstack.DEFAULT_DIR))
     p.set_defaults(fn=cmd_dev)
 
-    p = sub.add_parser("model", help="prepare the bundled SmolLM2-135M-Instruct for vLLM")
+    p = sub.add_parser("model", help="prepare the bundled SmolLM2-135M-Instruct (or a tiny MLA model) for vLLM")
     p.add_argument("action", choices=["prepare"])
-    p.add_argument("--out", default=".sluice/models/smollm2-135m-instruct")
+    p.add_argument("--out", default=None, help="default .sluice/models/<model>")
+    p.add_argument("--mla", action="store_true",
+                   help="a tiny random-weight DeepSeek-V2-style model (MLA attention), for KV page tests")
     p.add_argument("--force", action="store_true", help="rebuild even if the cached copy verifies")
     p.set_defaults(fn=cmd_model)
 

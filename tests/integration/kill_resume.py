@@ -1,0 +1,135 @@
+"""Two real workers in one group; one is SIGKILLed mid-stream. Shared by the SmolLM2 and MLA tests.
+
+`kill_mid_stream` runs the scenario and returns what the reply topic showed;
+`assert_one_stream_each` checks the stream guarantees every model must keep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+
+from loadgen.burst import ReplyReader, produce
+from schemas import DoneReply, TokenReply
+from tests.integration.helpers import free_port, http_get, prefixed_topics_file
+from worker import engine_guard
+
+
+@dataclass
+class KillRun:
+    tokens: dict[str, dict[int, str]]
+    finals: dict[str, list[DoneReply]]
+    survivor_metrics: str = ""
+    survivor_log: str = ""
+    orphaned_engine_procs: list[int] = field(default_factory=list)
+    after: object = None  # what the `after` callback returned
+
+
+def start(env, tmp_path, name):
+    port = free_port()
+    log = open(tmp_path / f"{name}.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], env={**env, "SLUICE_METRICS_PORT": str(port)},
+                            stdout=log, stderr=log)
+    return proc, port
+
+
+async def wait_ready(proc, port, log_path, timeout=900):
+    end = time.monotonic() + timeout
+    while http_get(port, "/readyz")[0] != 200:
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        assert time.monotonic() < end, "worker never became ready"
+        await asyncio.sleep(0.5)
+
+
+async def read_until_done(reader, ids, tokens, finals, deadline, on_batch=None):
+    while any(not finals[rid] for rid in ids) and time.monotonic() < deadline:
+        async for r in reader.records():
+            if r.id not in tokens:
+                continue
+            if isinstance(r, TokenReply):
+                seen = tokens[r.id].get(r.seq)
+                assert seen is None or seen == r.text, f"{r.id} seq {r.seq} repeated with other text"
+                tokens[r.id][r.seq] = r.text
+            elif isinstance(r, DoneReply):
+                finals[r.id].append(r)
+        if on_batch:
+            on_batch()
+
+
+async def kill_mid_stream(settings, catalog, tmp_path, model_dir, prompts: dict[str, str], max_tokens: int,
+                          after=None, extra_env=None) -> KillRun:
+    """`prompts` by request id; `after(send, collect)` runs with the survivor still serving."""
+    env = {**os.environ, "SLUICE_TOPICS_FILE": str(prefixed_topics_file(catalog, tmp_path / "topics.toml")),
+           "SLUICE_GROUP_ID": f"chaos-{uuid.uuid4().hex[:6]}", "SLUICE_MODEL": str(model_dir),
+           "SLUICE_KAFKA_IDEMPOTENCE": "false", "SLUICE_REDIS_KEY_PREFIX": settings.redis.key_prefix,
+           "SLUICE_LOG_LEVEL": "info", "SLUICE_CPU_KVCACHE_GIB": "1", **(extra_env or {})}
+    victim, vport = start(env, tmp_path, "victim")
+    survivor, sport = start(env, tmp_path, "survivor")
+    reader = ReplyReader(settings.kafka.bootstrap, catalog.replies.name)
+    ids = list(prompts)
+    run = KillRun({rid: {} for rid in ids}, {rid: [] for rid in ids})
+    topic = catalog.request_topic("standard").name
+
+    async def send(requests: dict[str, dict]) -> None:
+        await produce(settings.kafka.bootstrap, [(topic, rid.encode(), msgspec.json.encode({"id": rid, **body}), [])
+                                                 for rid, body in requests.items()])
+
+    async def collect(more_ids, timeout=900) -> dict[str, list[DoneReply]]:
+        for rid in more_ids:
+            run.tokens.setdefault(rid, {})
+            run.finals.setdefault(rid, [])
+        await read_until_done(reader, more_ids, run.tokens, run.finals, time.monotonic() + timeout)
+        return {rid: run.finals[rid] for rid in more_ids}
+
+    try:
+        await wait_ready(victim, vport, tmp_path / "victim.log")
+        await wait_ready(survivor, sport, tmp_path / "survivor.log")
+        await asyncio.sleep(8)  # let the group settle with both members
+        await reader.start()
+        await send({rid: {"prompt": p, "max_tokens": max_tokens} for rid, p in prompts.items()})
+        engine_procs: dict[int, float] = {}
+
+        def kill_once_streaming():
+            if victim.poll() is None and all(len(t) >= 4 for rid, t in run.tokens.items() if rid in prompts):
+                engine_procs.update({p: engine_guard.start_time(p)
+                                     for p in engine_guard.descendants(engine_guard.parents(), victim.pid)})
+                victim.send_signal(signal.SIGKILL)  # no drain, no commit, no goodbye
+                victim.wait()
+
+        await read_until_done(reader, ids, run.tokens, run.finals, time.monotonic() + 900, kill_once_streaming)
+        assert victim.poll() is not None, "the streams never got going"
+        assert engine_procs, "the victim had no engine processes"
+        # the victim's engine processes die with it instead of polling on as orphans
+        end = time.monotonic() + 15
+        while any(engine_guard.running(p, t) for p, t in engine_procs.items()) and time.monotonic() < end:
+            await asyncio.sleep(0.2)
+        run.orphaned_engine_procs = [p for p, t in engine_procs.items() if engine_guard.running(p, t)]
+        run.survivor_metrics = http_get(sport, "/metrics")[1]
+        if after is not None:
+            run.after = await after(send, collect)
+    finally:
+        await reader.stop()
+        for p in (victim, survivor):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    run.survivor_log = (tmp_path / "survivor.log").read_text()
+    return run
+
+
+def assert_one_stream_each(run: KillRun, ids) -> None:
+    """Exactly one answer per id (repeats identical), gapless seqs, tokens that add up to the answer."""
+    for rid in ids:
+        assert run.finals[rid], (rid, run.survivor_log[-3000:])
+        done = run.finals[rid][0]
+        assert all(f.seq == done.seq and f.text == done.text for f in run.finals[rid]), rid
+        assert sorted(run.tokens[rid]) == list(range(done.seq)), (rid, sorted(run.tokens[rid]))
+        assert "".join(run.tokens[rid][s] for s in range(done.seq)) == done.text
