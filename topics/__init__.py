@@ -64,6 +64,14 @@ class Catalog(Struct, frozen=True):
     def request_topic(self, latency_class: str) -> Topic:
         return next(t for t in self.requests if t.latency_class == latency_class)
 
+    def serving(self, classes) -> "Catalog":
+        """The catalog a worker of a class-dedicated pool consumes: these request topics, the same replies and DLQ."""
+        wanted = set(classes)
+        unknown = wanted - {t.latency_class for t in self.requests}
+        if unknown:
+            raise ValueError(f"no request topic for class {', '.join(sorted(unknown))} in the topics file")
+        return Catalog([t for t in self.topic if t.role != "requests" or t.latency_class in wanted])
+
     def renamed(self, prefix: str) -> "Catalog":
         """The same catalog with every name prefixed (isolated test and demo runs)."""
         return Catalog([msgspec.structs.replace(t, name=f"{prefix}{t.name}") for t in self.topic])

@@ -66,9 +66,17 @@ def cmd_topics(args) -> int:
     from aiokafka.errors import KafkaError
 
     from topics.admin import apply
+    from topics.render import strimzi, with_profile
 
     settings = _settings(args)
     catalog = _catalog(settings)
+    if args.action == "render":
+        text = strimzi(with_profile(catalog, args.profile), cluster=args.cluster)
+        if args.out:
+            Path(args.out).write_text(text)
+        else:
+            sys.stdout.write(text)
+        return 0
     try:
         missing, drift = asyncio.run(apply(settings.kafka.options(), catalog, create=args.action == "apply"))
     except (KafkaError, OSError) as exc:
@@ -102,6 +110,10 @@ def cmd_worker(args) -> int:
 
     settings = _settings(args)
     catalog = _catalog(settings)
+    try:
+        catalog.serving(settings.worker.classes.split(","))
+    except ValueError as exc:
+        sys.exit(f"sluice: SLUICE_CLASSES={settings.worker.classes}: {exc}")
     configure(settings.ops.log_level, settings.ops.log_format)
     return run_loop(run_worker(settings, catalog))
 
@@ -230,8 +242,13 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="rebuild even if the cached copy verifies")
     p.set_defaults(fn=cmd_model)
 
-    p = sub.add_parser("topics", help="create missing topics / check for drift")
-    p.add_argument("action", choices=["apply", "check"])
+    p = sub.add_parser("topics", help="create missing topics / check for drift / render Strimzi KafkaTopics")
+    p.add_argument("action", choices=["apply", "check", "render"])
+    p.add_argument("--format", choices=["strimzi"], default="strimzi", help="render: the resource kind")
+    p.add_argument("--profile", choices=["dev", "production"], default="production",
+                   help="render: production stores 3 replicas, min.insync.replicas 2; dev keeps the topics file")
+    p.add_argument("--cluster", default="sluice", help="render: the Strimzi Kafka cluster (strimzi.io/cluster)")
+    p.add_argument("--out", help="render: write here instead of stdout")
     p.set_defaults(fn=cmd_topics)
 
     p = sub.add_parser("schemas", help="export the wire contract as JSON Schema")

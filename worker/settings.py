@@ -136,6 +136,10 @@ class HealthSettings(_Section):
 
 class WorkerSettings(_Section):
     topics_file: str | None = None  # None: the bundled topics/default.toml
+    # The latency classes this worker consumes (comma-separated): class-dedicated pools, e.g.
+    # realtime-only workers on their own accelerators. Each pool should have its own group_id.
+    classes: Annotated[str, Meta(pattern=r"^(realtime|standard|batch)(,(realtime|standard|batch))*$")] = \
+        "realtime,standard,batch"
     # Score templates: `<name>.toml` files here add to (or override) the built-in ones.
     templates_dir: str | None = None
     # Lower classes stay at their contended cap this long after a higher class had work.

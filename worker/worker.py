@@ -83,6 +83,7 @@ class _Rebalance(ConsumerRebalanceListener):
 class Worker:
     def __init__(self, settings: Settings, catalog: Catalog, engine: Engine, *, consumer=None, producer=None,
                  answers=None):
+        catalog = catalog.serving(settings.worker.classes.split(","))
         self.settings, self.catalog, self.engine = settings, catalog, engine
         self.consumer = consumer if consumer is not None else kafka_consumer(settings)
         producer = producer if producer is not None else kafka_producer(

@@ -20,6 +20,8 @@ def test_env_overrides_file(tmp_path):
     ({"SLUICE_DEVICE": "tpu"}, "SLUICE_DEVICE"),
     ({"SLUICE_MAX_NESTING_DEPTH": "0"}, "SLUICE_MAX_NESTING_DEPTH"),
     ({"SLUICE_ENGINE_STALL_S": "-1"}, "SLUICE_ENGINE_STALL_S"),
+    ({"SLUICE_CLASSES": "realtime,fast"}, "SLUICE_CLASSES"),
+    ({"SLUICE_CLASSES": ""}, "SLUICE_CLASSES"),
 ])
 def test_invalid_settings_name_the_variable(env, named):
     with pytest.raises(SettingsError, match=named):
