@@ -189,7 +189,11 @@ class VllmEngine:
         args = AsyncEngineArgs(**engine_args(config, dtype), kv_transfer_config=kv_transfer)
         self._guard = EngineGuard()
         self._guard.before()
-        self._llm = AsyncLLM.from_engine_args(args)
+        from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+        # vLLM's engine metrics (vllm:*) in the process registry, served on the worker's /metrics;
+        # its periodic log lines stay off (disable_log_stats).
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[PrometheusStatLogger])
         self._guard.watch()  # a SIGKILLed worker must not leave the engine processes running
         self._tokenizer = self._llm.get_tokenizer()
         self.max_model_len = self._llm.model_config.max_model_len

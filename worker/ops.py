@@ -1,52 +1,54 @@
-"""`/metrics`, `/healthz` and `/readyz` on one small asyncio HTTP server."""
+"""`/metrics`, `/healthz` and `/readyz` on aiohttp's HTTP server.
+
+`/metrics` is one scrape target for everything a worker knows: sluice's own registry
+(`worker/metrics.py`) and the process-wide registry where vLLM's engine metrics
+(`vllm:*`) and the process collectors live.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
+import prometheus_client
+from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from worker import metrics
+
+
+def exposition() -> bytes:
+    return generate_latest(metrics.REGISTRY) + generate_latest(prometheus_client.REGISTRY)
 
 
 class OpsServer:
     def __init__(self, host: str, port: int, status):
         self.host, self.port = host, port
         self.status = status  # callable -> (ready: bool, details: dict)
-        self._server: asyncio.base_events.Server | None = None
+        self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
-        if self.port:
-            self._server = await asyncio.start_server(self._handle, self.host, self.port)
+        if not self.port:
+            return
+        app = web.Application(client_max_size=1024)  # GETs only: no request bodies
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        # keep-alive connections idle longer than this are closed; no access log: probes every few seconds
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=15, handle_signals=False)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.host, self.port, shutdown_timeout=1).start()
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        if self._runner is not None:
+            await self._runner.cleanup()
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            line = await asyncio.wait_for(reader.readline(), 5)
-            path = line.decode("latin-1").split(" ")[1] if line.count(b" ") >= 2 else "/"
-            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
-                pass
-            code, ctype, body = self._route(path.split("?")[0])
-            head = f"HTTP/1.1 {code}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-            writer.write(head.encode() + body)
-            await writer.drain()
-        except (asyncio.TimeoutError, ConnectionError, IndexError):
-            pass
-        finally:
-            writer.close()
+    async def _metrics(self, _request) -> web.Response:
+        return web.Response(body=exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    def _route(self, path: str) -> tuple[str, str, bytes]:
-        if path == "/metrics":
-            return "200 OK", CONTENT_TYPE_LATEST, generate_latest(metrics.REGISTRY)
-        if path == "/healthz":
-            return "200 OK", "application/json", b'{"status":"alive"}'
-        if path == "/readyz":
-            ready, details = self.status()
-            body = json.dumps({"ready": ready, **details}).encode()
-            return ("200 OK" if ready else "503 Service Unavailable"), "application/json", body
-        return "404 Not Found", "text/plain", b"not found\n"
+    async def _healthz(self, _request) -> web.Response:
+        return web.json_response({"status": "alive"})
+
+    async def _readyz(self, _request) -> web.Response:
+        ready, details = self.status()
+        return web.Response(body=json.dumps({"ready": ready, **details}).encode(), status=200 if ready else 503,
+                            content_type="application/json")

@@ -31,10 +31,15 @@ async def http_get(port: int, path: str) -> tuple[int | None, str]:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
     except OSError:
         return None, ""
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-    data = await reader.read()
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+    try:
+        data = await reader.read()
+    except ConnectionError:
+        data = b""
     writer.close()
     head, _, body = data.partition(b"\r\n\r\n")
+    if not head:  # the server closed without answering: it is shutting down
+        return None, ""
     return int(head.split()[1]), body.decode()
 
 

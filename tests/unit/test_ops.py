@@ -1,0 +1,47 @@
+"""The ops server: sluice's and the process registry's metrics on one target; slow clients hold nothing up."""
+
+import asyncio
+import time
+
+from prometheus_client import Counter
+
+from tests.unit.test_supervision import free_port, http_get
+from worker.ops import OpsServer
+
+
+async def test_metrics_serve_both_registries_and_readyz_follows_status():
+    port, ready = free_port(), {"value": False}
+    engine_side = Counter("vllm_like_test_total", "stands in for vLLM's metrics in the process registry")
+    engine_side.inc(3)
+    ops = OpsServer("127.0.0.1", port, lambda: (ready["value"], {"engine": "ok"}))
+    await ops.start()
+    try:
+        status, body = await http_get(port, "/metrics")
+        assert status == 200 and "sluice_engine_up" in body and "vllm_like_test_total 3.0" in body
+        assert (await http_get(port, "/readyz"))[0] == 503
+        ready["value"] = True
+        status, body = await http_get(port, "/readyz")
+        assert status == 200 and '"engine": "ok"' in body
+        assert (await http_get(port, "/healthz"))[0] == 200
+        assert (await http_get(port, "/nope"))[0] == 404
+    finally:
+        await ops.stop()
+
+
+async def test_a_client_that_never_finishes_its_request_blocks_no_probe():
+    port = free_port()
+    ops = OpsServer("127.0.0.1", port, lambda: (True, {}))
+    await ops.start()
+    stalled = []
+    try:
+        for _ in range(50):  # half-sent requests, left open
+            _, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            stalled.append(w)
+        t0 = time.monotonic()
+        assert (await asyncio.wait_for(http_get(port, "/readyz"), 2))[0] == 200
+        assert time.monotonic() - t0 < 1
+    finally:
+        for w in stalled:
+            w.close()
+        await ops.stop()
