@@ -13,13 +13,38 @@ log = structlog.get_logger("sluice.commits")
 
 
 class Commits:
-    def __init__(self, consumer, tracker, interval_s: float):
+    def __init__(self, consumer, tracker, interval_s: float, classes: dict[str, str] | None = None):
         self.consumer, self.tracker, self.interval_s = consumer, tracker, interval_s
+        self.classes = classes or {}  # request topic -> latency class, for the lag gauge
+        self._lag_series: set[tuple[str, str]] = set()
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
             await self.commit()
+            try:
+                self.report_lag()
+            except Exception:  # a gauge must never stop commits
+                log.exception("lag report failed")
+
+    def report_lag(self) -> None:
+        """Consumer lag per class and partition: the log end offset the last fetch saw minus the committed offset."""
+        series = set()
+        for tp in self.consumer.assignment():
+            cls = self.classes.get(tp.topic)
+            end = self.consumer.highwater(tp)
+            committed = self.tracker.last_committed(tp)
+            if cls is None or end is None or committed is None:
+                continue
+            key = (cls, str(tp.partition))
+            metrics.consumer_lag.labels(*key).set(max(0, end - committed))
+            series.add(key)
+        for gone in self._lag_series - series:  # revoked partitions: another member reports them
+            try:
+                metrics.consumer_lag.remove(*gone)
+            except KeyError:  # another worker in this process (tests) removed it first
+                pass
+        self._lag_series = series
 
     async def commit(self, only=None) -> None:
         """Commit each partition's watermark (only those in `only`, if given). A broker error is retried next time."""

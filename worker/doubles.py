@@ -93,6 +93,9 @@ class MemoryConsumer:
     async def position(self, tp) -> int:
         return self._position[tp]
 
+    def highwater(self, tp) -> int | None:
+        return len(self.broker.logs.get(tp, ())) if tp in self._assigned else None
+
     def seek(self, tp, offset: int) -> None:
         self._position[tp] = offset
 

@@ -27,6 +27,27 @@ reply_fallbacks = Counter("sluice_reply_fallbacks_total",
                           "Final replies sent to the default reply topic because reply_to was unusable",
                           registry=REGISTRY)
 reply_records = Counter("sluice_reply_records_total", "Reply records produced", ["type"], registry=REGISTRY)
+ITL_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+SCORE_BUCKETS = tuple(i / 20 for i in range(1, 21))
+# `tenant` is a field producers write: bound the series a hostile producer could create.
+MAX_TENANT_LABELS = 100
+OTHER_TENANTS = "_other"
+_tenants_seen: set[str] = set()
+
+class_slo = Gauge("sluice_class_slo_seconds", "Each class's end-to-end latency objective (slo_ms of its topic)",
+                  ["class"], registry=REGISTRY)
+consumer_lag = Gauge("sluice_consumer_lag_records",
+                     "Records of an assigned partition not yet committed (log end offset - committed offset)",
+                     ["class", "partition"], registry=REGISTRY)
+inter_token = Histogram("sluice_inter_token_seconds", "Time between a request's successive tokens",
+                        ["class"], buckets=ITL_BUCKETS, registry=REGISTRY)
+scores = Histogram("sluice_score", "Scores given (probability of each label), by template and label",
+                   ["template", "label"], buckets=SCORE_BUCKETS, registry=REGISTRY)
+tenant_requests = Counter("sluice_tenant_requests_total",
+                          f"Requests answered, by tenant and outcome (the first {MAX_TENANT_LABELS} tenants seen "
+                          f"by this process by name, later ones as {OTHER_TENANTS})", ["tenant", "outcome"],
+                          registry=REGISTRY)
+ready = Gauge("sluice_ready", "1 while /readyz answers 200 (read at each scrape)", registry=REGISTRY)
 time_to_first_token = Histogram("sluice_time_to_first_token_seconds", "From record timestamp to first token",
                                 ["class"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
 end_to_end = Histogram("sluice_end_to_end_seconds", "From record timestamp to done/error produced",
@@ -75,6 +96,15 @@ tokens_held = Counter("sluice_tokens_held_total",
 fenced = Counter("sluice_attempts_fenced_total",
                  "Attempts stopped because another worker claimed their request (this one was paused too long)",
                  registry=REGISTRY)
+
+
+def tenant_label(tenant: str) -> str:
+    if tenant in _tenants_seen:
+        return tenant
+    if len(_tenants_seen) < MAX_TENANT_LABELS:
+        _tenants_seen.add(tenant)
+        return tenant
+    return OTHER_TENANTS
 
 
 def record_kv(cls: str, prompt_len: int, cached_tokens: int, kv: dict | None) -> None:

@@ -78,6 +78,8 @@ def prepare(out: Path = DEFAULT_DIR, force: bool = False, log=print) -> Path:
         del model.config.quantization_config
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    for f in tmp.iterdir():  # readable by the worker image's non-root user when mounted
+        f.chmod(0o644)
     files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
     (tmp / MANIFEST).write_text(json.dumps({"source": GGUF_NAME, "source_sha256": GGUF_SHA256, "files": files}, indent=2))
     shutil.rmtree(out, ignore_errors=True)

@@ -48,6 +48,8 @@ def prepare_mla(out: Path = DEFAULT_DIR, force: bool = False, log=print) -> Path
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
+    for f in tmp.iterdir():  # readable by the worker image's non-root user when mounted
+        f.chmod(0o644)
     files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
     (tmp / MANIFEST).write_text(json.dumps({"source": f"random DeepSeek-V2 MLA, seed {SEED}", "files": files},
                                            indent=2))

@@ -18,6 +18,7 @@ class _Partition:
     heap: list[int] = field(default_factory=list)  # pending offsets, lazily pruned
     next_offset: int | None = None  # one past the highest offset taken
     committed: int | None = None
+    first_offset: int | None = None  # the first offset taken: where the group stood at assignment
 
 
 class OffsetTracker:
@@ -30,6 +31,8 @@ class OffsetTracker:
         p = self._parts.setdefault(tp, _Partition())
         if p.next_offset is not None and offset < p.next_offset:
             raise ValueError(f"{tp}: offset {offset} taken after {p.next_offset - 1}")
+        if p.first_offset is None:
+            p.first_offset = offset
         p.pending.add(offset)
         heapq.heappush(p.heap, offset)
         p.next_offset = offset + 1
@@ -56,6 +59,12 @@ class OffsetTracker:
         if p.committed is not None and watermark <= p.committed:
             return None
         return watermark
+
+    def last_committed(self, tp) -> int | None:
+        """The group's committed offset for `tp` as this worker knows it: its own last commit, or before that
+        the first offset it took (where the group stood at assignment); None before it took anything."""
+        p = self._parts.get(tp)
+        return None if p is None else p.committed if p.committed is not None else p.first_offset
 
     def to_commit(self) -> dict:
         """Every partition with a new watermark; call `committed` once it is stored."""

@@ -43,6 +43,7 @@ class OpsServer:
             await self._runner.cleanup()
 
     async def _metrics(self, _request) -> web.Response:
+        metrics.ready.set(1 if self.status()[0] else 0)
         return web.Response(body=exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _healthz(self, _request) -> web.Response:

@@ -54,6 +54,7 @@ class Replies:
         await self.emitter.final(job.reply_to, final, self.running)
         outcome = final.code.value if isinstance(final, ErrorReply) else final.finish_reason
         metrics.requests_completed.labels(cls, outcome).inc()
+        metrics.tenant_requests.labels(metrics.tenant_label(job.request.tenant), outcome).inc()
         metrics.end_to_end.labels(cls).observe(max(0.0, time.time() - job.timestamp_ms / 1000))
         log.info("request_answered", request_id=job.request.id, cls=cls, outcome=outcome, segments=job.segments)
 

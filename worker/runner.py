@@ -195,10 +195,13 @@ class Runner:
         req, cls = job.request, job.latency_class
         finish = "stop"
         new_tokens = 0
+        last_tokens_at = None
         async for delta in self.engine.generate(engine_id, job.prompt_ids + job.generated, params, job.priority):
             self.on_progress()
             if want_scores and job.scores is None:
                 job.scores = self._scores(job, delta.logprobs)
+                for label, p in job.scores.items():
+                    metrics.scores.labels(req.template or "-", label).observe(p)
             if scores_only:
                 finish = "scored"
                 metrics.record_kv(cls, prefix_len, delta.cached_tokens, delta.kv)
@@ -206,8 +209,12 @@ class Runner:
                     await self.engine.abort(engine_id)
                 break
             if delta.token_ids:
+                now = time.monotonic()
                 if not job.generated:
                     metrics.time_to_first_token.labels(cls).observe(max(0.0, time.time() - job.timestamp_ms / 1000))
+                elif last_tokens_at is not None:
+                    metrics.inter_token.labels(cls).observe((now - last_tokens_at) / len(delta.token_ids))
+                last_tokens_at = now
                 job.generated.extend(delta.token_ids)
                 job.texts.append(delta.text)
                 new_tokens += len(delta.token_ids)

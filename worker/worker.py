@@ -109,7 +109,11 @@ class Worker:
         self.intake = Intake(self.consumer, RequestCodec(settings.limits), self.tracker, self.dispatch, self.replies,
                              self.answers, self.liveness, catalog.replies.name, settings.kafka.fetch_max_wait_ms,
                              stopping=lambda: self.supervisor.stopping, redis_wait_s=settings.redis.lookup_wait_s)
-        self.commits = Commits(self.consumer, self.tracker, settings.group.commit_interval_ms / 1000)
+        self.commits = Commits(self.consumer, self.tracker, settings.group.commit_interval_ms / 1000,
+                               classes={t.name: t.latency_class for t in catalog.requests})
+        for t in catalog.requests:
+            if t.slo_ms is not None:
+                metrics.class_slo.labels(t.latency_class).set(t.slo_ms / 1000)
         self._started = False
 
     @property

@@ -24,3 +24,53 @@ def test_a_pool_for_a_class_the_topics_file_lacks_is_refused():
     assert one_class.replies == CATALOG.replies and one_class.dlq == CATALOG.dlq
     with pytest.raises(ValueError, match="no request topic for class realtime"):
         one_class.serving(["realtime"])
+
+
+async def test_lag_is_the_log_end_minus_the_committed_offset_per_class_and_partition():
+    from aiokafka import TopicPartition
+
+    from worker import metrics
+    from worker.commits import Commits
+    from worker.offsets import OffsetTracker
+
+    mem = Memory()
+    topic = CATALOG.request_topic("batch").name
+    tp = TopicPartition(topic, 1)
+    for i in range(5):
+        mem.broker.logs[tp].append(None)  # only the log length matters here
+    mem.consumer.subscribe([topic])
+    await mem.consumer.start()
+    tracker = OffsetTracker()
+    commits = Commits(mem.consumer, tracker, 1, classes={topic: "batch"})
+
+    def lag():
+        return metrics.REGISTRY.get_sample_value("sluice_consumer_lag_records", {"class": "batch", "partition": "1"})
+
+    commits.report_lag()
+    assert lag() is None  # nothing taken by this worker yet: unknown, not zero
+    for off in range(5):
+        tracker.take(tp, off)
+    commits.report_lag()
+    assert lag() == 5  # before its first commit the group stands at the first offset taken
+    for off in range(3):
+        tracker.finish(tp, off)
+    await commits.commit()
+    commits.report_lag()
+    assert lag() == 2
+    for off in (3, 4):
+        tracker.finish(tp, off)
+    await commits.commit()
+    commits.report_lag()
+    assert lag() == 0
+    await mem.consumer.assign(set())  # revoked: its new owner reports it
+    commits.report_lag()
+    assert lag() is None
+
+
+async def test_each_class_slo_is_exported_for_alerts():
+    from worker import metrics
+
+    async with running(Memory()):
+        for t in CATALOG.requests:
+            assert metrics.REGISTRY.get_sample_value("sluice_class_slo_seconds",
+                                                     {"class": t.latency_class}) == t.slo_ms / 1000

@@ -18,8 +18,10 @@ async def test_metrics_serve_both_registries_and_readyz_follows_status():
     try:
         status, body = await http_get(port, "/metrics")
         assert status == 200 and "sluice_engine_up" in body and "vllm_like_test_total 3.0" in body
+        assert "sluice_ready 0.0" in body
         assert (await http_get(port, "/readyz"))[0] == 503
         ready["value"] = True
+        assert "sluice_ready 1.0" in (await http_get(port, "/metrics"))[1]
         status, body = await http_get(port, "/readyz")
         assert status == 200 and '"engine": "ok"' in body
         assert (await http_get(port, "/healthz"))[0] == 200
@@ -45,3 +47,12 @@ async def test_a_client_that_never_finishes_its_request_blocks_no_probe():
         for w in stalled:
             w.close()
         await ops.stop()
+
+
+def test_tenant_labels_are_bounded_whatever_producers_write():
+    from worker import metrics
+
+    labels = {metrics.tenant_label(f"tenant-{i}") for i in range(metrics.MAX_TENANT_LABELS * 3)}
+    assert len(labels) <= metrics.MAX_TENANT_LABELS + 1 and metrics.OTHER_TENANTS in labels
+    first = next(iter(metrics._tenants_seen))
+    assert metrics.tenant_label(first) == first  # a tenant seen early keeps its own series
