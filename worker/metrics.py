@@ -124,3 +124,33 @@ def record_kv(cls: str, prompt_len: int, cached_tokens: int, kv: dict | None) ->
             kv_save_failures.labels(name.removeprefix("save_")).inc(n)
         elif name == "lookup_unavailable":
             kv_lookups_unavailable.inc(n)
+
+
+# Known label values start at zero, so that a rate() sees the first increment and dashboards show
+# every class before its first request. (Outcomes: finish reasons and the contract's error codes.)
+OUTCOMES = ("stop", "length", "scored", "invalid_request", "payload_too_large", "deadline_exceeded", "overloaded",
+            "internal")
+PAGE_MISS_REASONS = ("missing", "corrupt", "checksum", "layout", "unavailable")
+
+
+def start_series(classes) -> None:
+    for cls in classes:
+        for family in (records_consumed, tokens_generated, prompt_tokens, suspended, resumed, duplicates,
+                       waiting, in_engine, paused_partitions, time_to_first_token, end_to_end, inter_token):
+            family.labels(cls)
+        for outcome in OUTCOMES:
+            requests_completed.labels(cls, outcome)
+        for source in ("computed", "local_cache", "redis"):
+            prefill_tokens.labels(cls, source)
+    for code in ("invalid_request", "payload_too_large"):
+        for route in ("reply", "dlq"):
+            bad_records.labels(code, route)
+    for op in ("stored", "loaded"):
+        kv_pages.labels(op)
+        kv_bytes.labels(op)
+    for reason in PAGE_MISS_REASONS:
+        kv_load_misses.labels(reason)
+    for reason in ("dropped", "failed"):
+        kv_save_failures.labels(reason)
+    for result in ("ok", "failed"):
+        commits.labels(result)

@@ -111,6 +111,7 @@ class Worker:
                              stopping=lambda: self.supervisor.stopping, redis_wait_s=settings.redis.lookup_wait_s)
         self.commits = Commits(self.consumer, self.tracker, settings.group.commit_interval_ms / 1000,
                                classes={t.name: t.latency_class for t in catalog.requests})
+        metrics.start_series(t.latency_class for t in catalog.requests)
         for t in catalog.requests:
             if t.slo_ms is not None:
                 metrics.class_slo.labels(t.latency_class).set(t.slo_ms / 1000)

@@ -74,3 +74,14 @@ async def test_each_class_slo_is_exported_for_alerts():
         for t in CATALOG.requests:
             assert metrics.REGISTRY.get_sample_value("sluice_class_slo_seconds",
                                                      {"class": t.latency_class}) == t.slo_ms / 1000
+
+
+async def test_every_class_has_its_series_at_zero_before_its_first_request():
+    from worker import metrics
+
+    async with running(Memory()):
+        for t in CATALOG.requests:
+            labels = {"class": t.latency_class}
+            assert metrics.REGISTRY.get_sample_value("sluice_end_to_end_seconds_count", labels) is not None
+            assert metrics.REGISTRY.get_sample_value("sluice_requests_completed_total",
+                                                     {**labels, "outcome": "internal"}) is not None

@@ -4,7 +4,6 @@ with the topics file, the settings and itself (pools, lag triggers, drain, devic
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import yaml
 
 import topics
+from tests.tools import need_tool
 from topics.render import strimzi, with_profile
 from worker.settings import load
 
@@ -23,7 +23,12 @@ KUBERNETES = "1.32"
 CRD_DIRS = [Path(p) for p in (os.environ.get("SLUICE_CRD_DIR"), ROOT.parent / "shared" / "crds",
                               Path("/work/shared/crds")) if p]
 
-kubectl = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed (it renders kustomize)")
+kubectl = pytest.mark.usefixtures("kubectl_installed")
+
+
+@pytest.fixture
+def kubectl_installed():
+    need_tool("kubectl")  # it renders kustomize
 
 
 def render(overlay: str) -> list[dict]:

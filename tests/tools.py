@@ -1,0 +1,18 @@
+"""Debian tools some tests drive (promtool, prometheus, kubectl)."""
+
+import os
+import shutil
+
+import pytest
+
+
+def need_tool(name: str, package: str | None = None) -> str:
+    """The path of a tool the test needs. Where it is missing the test is skipped, except for the tools
+    named in SLUICE_REQUIRE_TOOLS (.ci/run installs and names them): their absence fails."""
+    path = shutil.which(name)
+    if path is None:
+        hint = f"apt-get install {package or name}"
+        if name in os.environ.get("SLUICE_REQUIRE_TOOLS", "").split():
+            pytest.fail(f"{name} is not installed ({hint}); .ci/run installs it")
+        pytest.skip(f"{name} is not installed ({hint})")
+    return path
