@@ -96,7 +96,7 @@ async def run_sluice(args, s) -> dict:
         await admin.create_topics([NewTopic(source, 6, 1)])
         await admin.close()
         events = transactions(args.events, seed=args.seed)
-        await produce(s.kafka.bootstrap, [(source, e["id"].encode(), msgspec.json.encode(e), []) for e in events])
+        await produce(s.kafka.options(), [(source, e["id"].encode(), msgspec.json.encode(e), []) for e in events])
         # warm the worker with a few score requests of another job
         warm = Backfill(s, cat, Job(source=source, out=f"{out}-warm", template="fraud", stop="8",
                                     name=f"warm-{uuid.uuid4().hex[:6]}"), state_dir=OUT / ".backfill-state",

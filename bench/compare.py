@@ -155,14 +155,14 @@ async def run_sluice(args, texts: list[str], s, pages: bool = False) -> dict:
         tag = uuid.uuid4().hex[:6]
 
         async def burst(bodies: list[dict], bar=None):
-            reader = ReplyReader(s.kafka.bootstrap, cat.replies.name)
+            reader = ReplyReader(s.kafka.options(), cat.replies.name)
             await reader.start()
             sent, first, done = {}, {}, {}
             try:
                 t0 = time.monotonic()
                 for b in bodies:
                     sent[b["id"]] = t0
-                await produce(s.kafka.bootstrap, [(topic, b["id"].encode(), msgspec.json.encode(b), []) for b in bodies])
+                await produce(s.kafka.options(), [(topic, b["id"].encode(), msgspec.json.encode(b), []) for b in bodies])
                 while len(done) < len(bodies):
                     async for r in reader.records(timeout_ms=100):
                         if r.id not in sent or r.id in done:

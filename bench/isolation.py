@@ -53,7 +53,7 @@ async def run(s, eng, mode: str, loaded: bool, args) -> list[float]:
     await worker.start()
     while not worker.consumer.assignment():
         await asyncio.sleep(0.1)
-    reader = ReplyReader(s.kafka.bootstrap, cat.replies.name)
+    reader = ReplyReader(s.kafka.options(), cat.replies.name)
     await reader.start()
     try:
         n = int(args.rate * args.seconds)
@@ -61,12 +61,12 @@ async def run(s, eng, mode: str, loaded: bool, args) -> list[float]:
         lat: dict[str, float] = {}
         label = f"{mode:7s} {'loaded' if loaded else 'alone':6s}"
 
-        producer = AIOKafkaProducer(bootstrap_servers=s.kafka.bootstrap, linger_ms=0)
+        producer = AIOKafkaProducer(**s.kafka.options(), linger_ms=0)
         await producer.start()
 
         async def backlog():
             await asyncio.sleep(args.backlog_after)  # a backfill lands while realtime flows
-            await produce(s.kafka.bootstrap, [(cat.request_topic("batch").name, f"{tag}-bk{i}".encode(),
+            await produce(s.kafka.options(), [(cat.request_topic("batch").name, f"{tag}-bk{i}".encode(),
                                                body(f"{tag}-bk{i}", i, args.batch_tokens, stream=False), [])
                                               for i in range(args.backlog)])
 

@@ -38,15 +38,15 @@ async def publish(s, topic: str, n: int, tag: str) -> None:
         {"id": f"{tag}-{i}", "prompt": f"amount {i} USD, merchant grocery", "max_tokens": 4, "stream": False}), [])
         for i in range(n)]
     for k in tqdm(range(0, n, 2000), desc="publishing", unit="x2000", mininterval=2):
-        await produce(s.kafka.bootstrap, items[k:k + 2000])
+        await produce(s.kafka.options(), items[k:k + 2000])
 
 
 async def bare_pipe(s, cat, n: int) -> float:
     """Read n records, produce one reply each, commit: no decoding, no engine."""
-    consumer = AIOKafkaConsumer(cat.request_topic("standard").name, bootstrap_servers=s.kafka.bootstrap,
+    consumer = AIOKafkaConsumer(cat.request_topic("standard").name, **s.kafka.options(),
                                 group_id=f"pipe-{uuid.uuid4().hex[:6]}", enable_auto_commit=False,
                                 auto_offset_reset="earliest", fetch_max_wait_ms=50)
-    producer = AIOKafkaProducer(bootstrap_servers=s.kafka.bootstrap, linger_ms=2)
+    producer = AIOKafkaProducer(**s.kafka.options(), linger_ms=2)
     await consumer.start()
     await producer.start()
     seen, start = 0, None

@@ -62,9 +62,9 @@ class ReplyReader:
     its last batch, so "seek to end" alone can replay the tail of that batch.
     """
 
-    def __init__(self, bootstrap: str, topic: str):
+    def __init__(self, kafka_opts: dict, topic: str):
         self.topic = topic
-        self.consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
+        self.consumer = AIOKafkaConsumer(**kafka_opts, enable_auto_commit=False,
                                          auto_offset_reset="earliest", fetch_max_wait_ms=50)
         self.codec = ReplyCodec()
 
@@ -98,9 +98,9 @@ class ReplyReader:
         await self.consumer.stop()
 
 
-async def produce(bootstrap: str, items: list[tuple[str, bytes | None, bytes, list]]) -> None:
-    """items: (topic, key, value, headers)."""
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5, max_request_size=16 << 20)
+async def produce(kafka_opts: dict, items: list[tuple[str, bytes | None, bytes, list]]) -> None:
+    """items: (topic, key, value, headers). `kafka_opts`: the connection, `KafkaSettings.options()`."""
+    producer = AIOKafkaProducer(**kafka_opts, acks="all", linger_ms=5, max_request_size=16 << 20)
     await producer.start()
     try:
         futs = [await producer.send(t, v, key=k, headers=h) for t, k, v, h in items]
@@ -109,10 +109,10 @@ async def produce(bootstrap: str, items: list[tuple[str, bytes | None, bytes, li
         await producer.stop()
 
 
-async def run_burst(bootstrap: str, catalog, requests: list[tuple[str, dict]], timeout_s: float = 600,
+async def run_burst(kafka_opts: dict, catalog, requests: list[tuple[str, dict]], timeout_s: float = 600,
                     on_token=None, progress=None) -> dict[str, Outcome]:
     """Publish `requests`, read replies until each has its final; returns outcomes by id."""
-    reader = ReplyReader(bootstrap, catalog.replies.name)
+    reader = ReplyReader(kafka_opts, catalog.replies.name)
     await reader.start()
     outcomes: dict[str, Outcome] = {}
     try:
@@ -121,7 +121,7 @@ async def run_burst(bootstrap: str, catalog, requests: list[tuple[str, dict]], t
         for cls, body in requests:
             outcomes[body["id"]] = Outcome(cls, now)
             items.append((catalog.request_topic(cls).name, body["id"].encode(), msgspec.json.encode(body), []))
-        await produce(bootstrap, items)
+        await produce(kafka_opts, items)
         remaining = set(outcomes)
         deadline = time.monotonic() + timeout_s
         while remaining and time.monotonic() < deadline:

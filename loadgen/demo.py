@@ -65,7 +65,7 @@ def main(args) -> int:
             if reply.id == watched:
                 print(reply.text, end="", flush=True)
 
-        outcomes = asyncio.run(run_burst(settings.kafka.bootstrap, catalog, requests, on_token=on_token))
+        outcomes = asyncio.run(run_burst(settings.kafka.options(), catalog, requests, on_token=on_token))
         print("\n")
         print(report(outcomes))
         problems = {rid: o.problems for rid, o in outcomes.items() if o.problems}

@@ -17,13 +17,13 @@ from loadgen.workload import Workload
 from schemas import DoneReply, ErrorReply, TokenReply
 
 
-async def run(bootstrap: str, catalog, workload: Workload, drain_s: float = 120.0,
+async def run(kafka_opts: dict, catalog, workload: Workload, drain_s: float = 120.0,
               show_progress: bool = True) -> list[Timing]:
     plan = workload.requests(prefix=f"lg{uuid.uuid4().hex[:6]}")
     timings = {body["id"]: Timing(cls, 0.0, None, None, None) for _, cls, body in plan}
-    reader = ReplyReader(bootstrap, catalog.replies.name)
+    reader = ReplyReader(kafka_opts, catalog.replies.name)
     await reader.start()
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=0)
+    producer = AIOKafkaProducer(**kafka_opts, linger_ms=0)
     await producer.start()
     bar = tqdm(total=len(plan), desc="loadgen", unit="req", mininterval=1, disable=not show_progress)
 

@@ -207,7 +207,7 @@ class Backfill:
 
     async def _score(self, cp: Checkpoint) -> None:
         job, source = self.job, self.job.source
-        reader = ReplyReader(self.s.kafka.bootstrap, self.catalog.replies.name)
+        reader = ReplyReader(self.s.kafka.options(), self.catalog.replies.name)
         await reader.start()
         producer = AIOKafkaProducer(**self.s.kafka.options(), acks="all", linger_ms=5)
         await producer.start()

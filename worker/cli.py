@@ -129,7 +129,7 @@ def cmd_loadgen(args) -> int:
                             max_tokens=(args.min_tokens, args.max_tokens), seed=args.seed)
     except ValueError as exc:
         sys.exit(f"sluice loadgen: {exc}")
-    timings = asyncio.run(run(settings.kafka.bootstrap, catalog, workload))
+    timings = asyncio.run(run(settings.kafka.options(), catalog, workload))
     write_reports(timings, workload, Path(args.out))
     print((Path(args.out) / "loadgen.md").read_text())
     print(f"wrote {args.out}/loadgen.json, loadgen.png, loadgen.md")

@@ -73,13 +73,13 @@ async def kill_mid_stream(settings, catalog, tmp_path, model_dir, prompts: dict[
            "SLUICE_LOG_LEVEL": "info", "SLUICE_CPU_KVCACHE_GIB": "1", **(extra_env or {})}
     victim, vport = start(env, tmp_path, "victim")
     survivor, sport = start(env, tmp_path, "survivor")
-    reader = ReplyReader(settings.kafka.bootstrap, catalog.replies.name)
+    reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
     ids = list(prompts)
     run = KillRun({rid: {} for rid in ids}, {rid: [] for rid in ids})
     topic = catalog.request_topic("standard").name
 
     async def send(requests: dict[str, dict]) -> None:
-        await produce(settings.kafka.bootstrap, [(topic, rid.encode(), msgspec.json.encode({"id": rid, **body}), [])
+        await produce(settings.kafka.options(), [(topic, rid.encode(), msgspec.json.encode({"id": rid, **body}), [])
                                                  for rid, body in requests.items()])
 
     async def collect(more_ids, timeout=900) -> dict[str, list[DoneReply]]:

@@ -43,7 +43,7 @@ async def test_time_bounds_resolve_by_record_timestamp(settings, catalog):
     base = int(datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp() * 1000)
     from aiokafka import AIOKafkaProducer
 
-    producer = AIOKafkaProducer(bootstrap_servers=settings.kafka.bootstrap)
+    producer = AIOKafkaProducer(**settings.kafka.options())
     await producer.start()
     for i in range(40):  # one record a minute
         await producer.send(topic, b"{}", partition=0, timestamp_ms=base + i * 60_000)
@@ -108,7 +108,7 @@ async def test_backfill_killed_midway_resumes_with_one_result_per_event(settings
     no_mcc = {k: v for k, v in events[0].items() if k != "mcc"} | {"id": "tx-no-mcc"}
     records.append((source, b"tx-no-mcc", msgspec.json.encode(no_mcc), []))
     records.append((source, b"tx-garbage", b"{not json", []))
-    await produce(settings.kafka.bootstrap, records)
+    await produce(settings.kafka.options(), records)
     env = {**os.environ, "SLUICE_TOPICS_FILE": str(topics_file), "SLUICE_KAFKA_IDEMPOTENCE": "false",
            "SLUICE_LOG_LEVEL": "warning"}
     state = tmp_path / "state"

@@ -112,17 +112,17 @@ async def test_malformed_records_never_block(settings, catalog, engine, group_id
             else:
                 items.append((topic, gid.encode(), J(body), []))
     partitions = {cls: catalog.request_topic(cls).partitions for cls in CLASSES}
-    reader = ReplyReader(settings.kafka.bootstrap, catalog.replies.name)
+    reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
     await reader.start()
     finals = {}
     try:
         async with running_worker(settings, catalog, engine, group_id=group_id, max_produce_bytes=1_000_000) as w:
-            await produce(settings.kafka.bootstrap, items)
+            await produce(settings.kafka.options(), items)
             subprocess.run([sys.executable, "-c", HOSTILE_PRODUCER, settings.kafka.bootstrap,
                             ",".join(catalog.request_topic(c).name for c in CLASSES)],
                            env={**os.environ, "AIOKAFKA_NO_EXTENSIONS": "1"}, check=True, timeout=60)
             # valid requests after the unparseable record, on every partition of every class
-            producer = AIOKafkaProducer(bootstrap_servers=settings.kafka.bootstrap)
+            producer = AIOKafkaProducer(**settings.kafka.options())
             await producer.start()
             for cls in CLASSES:
                 for p in range(partitions[cls]):

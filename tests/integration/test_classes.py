@@ -53,16 +53,16 @@ async def _follow(reader, ids, timeout, on_final=None, tokens=None):
 
 
 async def test_realtime_overtakes_a_batch_backlog(settings, catalog, engine, group_id):
-    reader = ReplyReader(settings.kafka.bootstrap, catalog.replies.name)
+    reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
     await reader.start()
     batch_ids = [f"bk-{i}" for i in range(48)]
     rt_ids = [f"rt-{i}" for i in range(4)]
     async with running_worker(settings, catalog, engine, group_id=group_id):
-        await produce(settings.kafka.bootstrap,
+        await produce(settings.kafka.options(),
                       [(catalog.request_topic("batch").name, i.encode(), _req(i, 48), []) for i in batch_ids])
         await asyncio.sleep(1.0)  # the backlog is read and fills the engine
         suspended = metrics.suspended.labels("batch")._value.get()
-        await produce(settings.kafka.bootstrap,
+        await produce(settings.kafka.options(),
                       [(catalog.request_topic("realtime").name, i.encode(), _req(i, 16), []) for i in rt_ids])
         tokens = {}
         finals, done_at = await _follow(reader, batch_ids + rt_ids, 400, tokens=tokens)
@@ -84,14 +84,14 @@ async def test_realtime_overtakes_a_batch_backlog(settings, catalog, engine, gro
 
 async def test_expired_request_never_reaches_the_engine(settings, catalog, engine, group_id):
     rec = RecordingEngine(engine)
-    reader = ReplyReader(settings.kafka.bootstrap, catalog.replies.name)
+    reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
     await reader.start()
     past = int(time.time() * 1000) - 1000
     future = int(time.time() * 1000) + 120_000
     items = [(catalog.request_topic("realtime").name, b"expired", _req("expired", deadline_ms=past), []),
              (catalog.request_topic("realtime").name, b"in-time", _req("in-time", deadline_ms=future), [])]
     async with running_worker(settings, catalog, rec, group_id=group_id):
-        await produce(settings.kafka.bootstrap, items)
+        await produce(settings.kafka.options(), items)
         finals, _ = await _follow(reader, ["expired", "in-time"], 120)
     await reader.stop()
     assert isinstance(finals["expired"], ErrorReply) and finals["expired"].code.value == "deadline_exceeded"
@@ -100,13 +100,13 @@ async def test_expired_request_never_reaches_the_engine(settings, catalog, engin
 
 
 async def test_deadline_passing_mid_generation_finishes_with_deadline(settings, catalog, engine, group_id):
-    reader = ReplyReader(settings.kafka.bootstrap, catalog.replies.name)
+    reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
     await reader.start()
     async with running_worker(settings, catalog, engine, group_id=group_id):
         soon = int(time.time() * 1000) + 3000
         body = J({"id": "short-lived", "prompt": "Count from 1 to 1000: 1, 2, 3, 4, 5,", "max_tokens": 1000,
                   "deadline_ms": soon})
-        await produce(settings.kafka.bootstrap, [(catalog.request_topic("standard").name, b"short-lived", body, [])])
+        await produce(settings.kafka.options(), [(catalog.request_topic("standard").name, b"short-lived", body, [])])
         finals, _ = await _follow(reader, ["short-lived"], 120)
     await reader.stop()
     done = finals["short-lived"]
@@ -118,12 +118,12 @@ async def test_paused_partitions_resume_and_complete(settings, catalog, engine, 
     small = msgspec.structs.replace(catalog.request_topic("batch"), max_waiting=4, batch_size=4,
                                     max_in_engine=2, contended_in_engine=2)
     tight = msgspec.structs.replace(catalog, topic=[small if t.name == small.name else t for t in catalog.topic])
-    reader = ReplyReader(settings.kafka.bootstrap, catalog.replies.name)
+    reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
     await reader.start()
     ids = [f"p-{i}" for i in range(24)]
     saw_pause = []
     async with running_worker(settings, tight, engine, group_id=group_id) as w:
-        await produce(settings.kafka.bootstrap, [(small.name, i.encode(), _req(i, 8), []) for i in ids])
+        await produce(settings.kafka.options(), [(small.name, i.encode(), _req(i, 8), []) for i in ids])
 
         async def watch(_):
             saw_pause.append(w.paused["batch"])
@@ -137,12 +137,12 @@ async def test_paused_partitions_resume_and_complete(settings, catalog, engine, 
 
 
 async def test_batch_progresses_under_a_realtime_stream(settings, catalog, engine, group_id):
-    reader = ReplyReader(settings.kafka.bootstrap, catalog.replies.name)
+    reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
     await reader.start()
     batch_ids = [f"sb-{i}" for i in range(12)]
     rt_ids = []
     async with running_worker(settings, catalog, engine, group_id=group_id):
-        await produce(settings.kafka.bootstrap,
+        await produce(settings.kafka.options(),
                       [(catalog.request_topic("batch").name, i.encode(), _req(i, 16), []) for i in batch_ids])
         batch_done = []
 
@@ -150,7 +150,7 @@ async def test_batch_progresses_under_a_realtime_stream(settings, catalog, engin
             for k in range(40):  # a continuous realtime stream, 8 per second
                 rid = f"sr-{k}"
                 rt_ids.append(rid)
-                await produce(settings.kafka.bootstrap,
+                await produce(settings.kafka.options(),
                               [(catalog.request_topic("realtime").name, rid.encode(), _req(rid, 16), [])])
                 await asyncio.sleep(0.125)
 

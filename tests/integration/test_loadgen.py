@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 async def test_loadgen_run_writes_three_reports(settings, catalog, engine, group_id, tmp_path):
     workload = Workload(rate=4, seconds=3, arrival="fixed", max_tokens=(4, 8), seed=1)
     async with running_worker(settings, catalog, engine, group_id=group_id):
-        timings = await run(settings.kafka.bootstrap, catalog, workload, drain_s=120, show_progress=False)
+        timings = await run(settings.kafka.options(), catalog, workload, drain_s=120, show_progress=False)
     summary = write_reports(timings, workload, tmp_path)
     assert len(timings) == 11  # fixed arrivals at 0.25 s steps below 3 s
     assert summary["all"]["completed"] == 11 and summary["all"]["errors"] == 0

@@ -82,7 +82,7 @@ async def test_prometheus_scrapes_a_worker_and_the_rules_produce_values(promethe
         ops = OpsServer("127.0.0.1", target, worker.health)  # as `sluice worker` serves it (worker/service.py)
         await ops.start()
         await until_value(port, 'up{job="sluice-workers"} == 1')
-        outcomes = await run_burst(settings.kafka.bootstrap, catalog, requests, timeout_s=300)
+        outcomes = await run_burst(settings.kafka.options(), catalog, requests, timeout_s=300)
         assert all(isinstance(o.final, DoneReply) for o in outcomes.values()), outcomes
 
         completed = await until_value(port, "class:sluice_requests_completed:rate5m > 0", {"realtime", "standard"})

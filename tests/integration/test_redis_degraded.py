@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 async def test_requests_complete_while_redis_is_unreachable(settings, catalog, engine, group_id):
     # Port 1 on loopback: nothing listens, so every Redis call fails fast.
     async with running_worker(settings, catalog, engine, group_id=group_id, redis_url="redis://127.0.0.1:1") as w:
-        out = await run_burst(settings.kafka.bootstrap, catalog, make_requests(6, seed=5, prefix="nr", max_tokens=4),
+        out = await run_burst(settings.kafka.options(), catalog, make_requests(6, seed=5, prefix="nr", max_tokens=4),
                               timeout_s=120)
         assert not w.answers.available
         assert metrics.redis_up._value.get() == 0

@@ -72,7 +72,7 @@ async def test_master_killed_mid_run(settings, catalog, engine, group_id):
 
     try:
         async with running_worker(settings, catalog, engine, group_id=group_id) as w:
-            out = await run_burst(settings.kafka.bootstrap, catalog,
+            out = await run_burst(settings.kafka.options(), catalog,
                                   make_requests(12, seed=21, prefix="failover", max_tokens=48), timeout_s=300,
                                   on_token=on_token)
             assert killed
@@ -92,7 +92,7 @@ async def test_whole_cluster_unreachable_then_back(settings, catalog, engine, gr
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)  # every node hangs: connections open, no answers
         async with running_worker(settings, catalog, engine, group_id=group_id) as w:
-            out = await run_burst(settings.kafka.bootstrap, catalog,
+            out = await run_burst(settings.kafka.options(), catalog,
                                   make_requests(6, seed=22, prefix="dark", max_tokens=24), timeout_s=300)
             assert all(isinstance(o.final, DoneReply) and not o.problems for o in out.values())
             assert not w.answers.available and metrics.redis_up._value.get() == 0
@@ -102,7 +102,7 @@ async def test_whole_cluster_unreachable_then_back(settings, catalog, engine, gr
             await wait_cluster_ok()
             await wait_redis_back(w)
             light = make_requests(6, seed=23, prefix="light", max_tokens=24)
-            out = await run_burst(settings.kafka.bootstrap, catalog, light, timeout_s=300)
+            out = await run_burst(settings.kafka.options(), catalog, light, timeout_s=300)
             assert all(isinstance(o.final, DoneReply) and not o.problems for o in out.values())
             # back to normal: answers are stored again
             await w.answers.flush()

@@ -26,14 +26,14 @@ async def _collect(reader, seconds):
 async def test_restarted_worker_skips_committed_requests(settings, catalog, engine, group_id):
     requests = make_requests(9, seed=3, prefix="r", max_tokens=4)
     async with running_worker(settings, catalog, engine, group_id=group_id):
-        first = await run_burst(settings.kafka.bootstrap, catalog, requests, timeout_s=120)
+        first = await run_burst(settings.kafka.options(), catalog, requests, timeout_s=120)
     assert all(isinstance(o.final, DoneReply) for o in first.values())
     names = {t.name for t in catalog.requests}
     committed = await committed_offsets(settings, group_id, names)
     assert sum(committed.values()) == len(requests)
 
     completed = metrics.requests_completed.labels("realtime", "length")._value.get()
-    reader = ReplyReader(settings.kafka.bootstrap, catalog.replies.name)
+    reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
     await reader.start()
     try:
         async with running_worker(settings, catalog, engine, group_id=group_id):
@@ -51,11 +51,11 @@ async def test_repeated_id_gets_the_stored_answer(settings, catalog, engine, gro
     again = msgspec.structs.replace(catalog, topic=[other if t.role == "replies" else t for t in catalog.topic])
     await apply(settings.kafka.options(), again)
     async with running_worker(settings, catalog, engine, group_id=group_id) as w:
-        first = await run_burst(settings.kafka.bootstrap, catalog, [("batch", body)], timeout_s=60)
+        first = await run_burst(settings.kafka.options(), catalog, [("batch", body)], timeout_s=60)
         assert await w.answers.ping(), "Redis Cluster should be reachable in this test"
         await w.answers.flush()  # answers are written in the background
         dup_before = metrics.duplicates.labels("batch")._value.get()
-        second = await run_burst(settings.kafka.bootstrap, again, [("batch", {**body, "reply_to": other.name})],
+        second = await run_burst(settings.kafka.options(), again, [("batch", {**body, "reply_to": other.name})],
                                  timeout_s=60)
     a, b = first["same-id"], second["same-id"]
     assert isinstance(a.final, DoneReply) and a.tokens

@@ -41,7 +41,7 @@ async def test_label_probabilities_match_a_direct_logprob_computation(settings, 
     reqs.append(("standard", {"id": "score-3way", "kind": "score", "template": "fraud", "event": EVENT,
                               "labels": ["legit", "fraud", "unsure"]}))
     async with running_worker(settings, catalog, engine, group_id=group_id):
-        out = await run_burst(settings.kafka.bootstrap, catalog, reqs, timeout_s=120)
+        out = await run_burst(settings.kafka.options(), catalog, reqs, timeout_s=120)
     template = Templates().get("fraud")
     for (_, body), event in zip(reqs, events + [EVENT]):
         done = out[body["id"]].final
@@ -65,7 +65,7 @@ async def test_score_with_a_streamed_rationale(settings, catalog, engine, group_
     reqs = [("standard", {"id": "why", "kind": "score", "template": "fraud", "event": EVENT, "max_tokens": 12}),
             ("standard", {"id": "only", "kind": "score", "template": "fraud", "event": EVENT})]
     async with running_worker(settings, catalog, engine, group_id=group_id):
-        out = await run_burst(settings.kafka.bootstrap, catalog, reqs, timeout_s=120)
+        out = await run_burst(settings.kafka.options(), catalog, reqs, timeout_s=120)
     why, only = out["why"], out["only"]
     assert not why.problems and why.tokens and why.text == why.final.text
     assert why.final.usage.completion_tokens > 0
@@ -83,7 +83,7 @@ async def test_bad_score_requests_are_answered_with_an_error(settings, catalog, 
     }
     reqs = [("realtime", {"id": rid, "kind": "score", **body}) for rid, (body, _) in cases.items()]
     async with running_worker(settings, catalog, engine, group_id=group_id):
-        out = await run_burst(settings.kafka.bootstrap, catalog, reqs, timeout_s=60)
+        out = await run_burst(settings.kafka.options(), catalog, reqs, timeout_s=60)
     for rid, (_, needle) in cases.items():
         final = out[rid].final
         assert isinstance(final, ErrorReply) and final.code == ErrorCode.INVALID_REQUEST, final

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.integration
 async def test_concurrent_requests_across_classes(settings, catalog, engine, group_id):
     requests = make_requests(24, seed=1, prefix="c", max_tokens=16)
     async with running_worker(settings, catalog, engine, group_id=group_id):
-        outcomes = await run_burst(settings.kafka.bootstrap, catalog, requests, timeout_s=300)
+        outcomes = await run_burst(settings.kafka.options(), catalog, requests, timeout_s=300)
     assert {o.latency_class for o in outcomes.values()} == {"realtime", "standard", "batch"}
     for rid, o in outcomes.items():
         assert not o.problems, (rid, o.problems)
@@ -27,7 +27,7 @@ async def test_stream_false_sends_only_done(settings, catalog, engine, group_id)
     reqs = [("standard", {"id": "quiet", "prompt": "Once upon a time", "max_tokens": 8, "stream": False}),
             ("realtime", {"id": "loud", "prompt": "Once upon a time", "max_tokens": 8})]
     async with running_worker(settings, catalog, engine, group_id=group_id):
-        out = await run_burst(settings.kafka.bootstrap, catalog, reqs, timeout_s=120)
+        out = await run_burst(settings.kafka.options(), catalog, reqs, timeout_s=120)
     quiet, loud = out["quiet"], out["loud"]
     assert quiet.tokens == {} and isinstance(quiet.final, DoneReply) and quiet.final.seq == 0
     assert quiet.final.usage.completion_tokens == 8

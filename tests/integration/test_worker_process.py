@@ -42,11 +42,11 @@ async def test_sigterm_drains_in_flight_requests(settings, catalog, model_dir, t
         ready = http_get(port, "/readyz")[1]
         assert '"redis": "up"' in ready, ready
 
-        reader = ReplyReader(settings.kafka.bootstrap, catalog.replies.name)
+        reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
         await reader.start()
         ids = [f"drain-{i}" for i in range(6)]
         import msgspec
-        await produce(settings.kafka.bootstrap, [
+        await produce(settings.kafka.options(), [
             (catalog.request_topic("standard").name, i.encode(),
              msgspec.json.encode({"id": i, "prompt": "Count from 1 to 1000: 1, 2, 3, 4,", "max_tokens": 300}), [])
             for i in ids])
@@ -100,10 +100,10 @@ async def test_stalled_engine_fails_the_worker_closed(settings, catalog, model_d
                                        SLUICE_KV_PAGES="false")
     frozen: list[int] = []
     try:
-        reader = ReplyReader(settings.kafka.bootstrap, catalog.replies.name)
+        reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
         await reader.start()
         import msgspec
-        await produce(settings.kafka.bootstrap, [(catalog.request_topic("realtime").name, b"stall-1", msgspec.json.encode(
+        await produce(settings.kafka.options(), [(catalog.request_topic("realtime").name, b"stall-1", msgspec.json.encode(
             {"id": "stall-1", "prompt": "Count from 1 to 1000: 1, 2, 3,", "max_tokens": 400}), [])])
         deadline = time.monotonic() + 120
         while not frozen and time.monotonic() < deadline:

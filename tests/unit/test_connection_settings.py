@@ -1,0 +1,35 @@
+"""Every Kafka client sluice starts (worker, backfill, loadgen, demo, topics admin, benches) connects
+with the worker's connection settings, not a bare bootstrap address."""
+
+import ast
+from pathlib import Path
+
+from loadgen.burst import ReplyReader
+from worker.settings import load
+
+ROOT = Path(__file__).resolve().parents[2]
+CLIENTS = {"AIOKafkaConsumer", "AIOKafkaProducer", "AIOKafkaAdminClient"}
+
+
+def client_calls():
+    for path in [*ROOT.glob("worker/**/*.py"), *ROOT.glob("loadgen/**/*.py"), *ROOT.glob("topics/**/*.py"),
+                 *ROOT.glob("bench/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in CLIENTS:
+                yield f"{path.relative_to(ROOT)}:{node.lineno}", node
+
+
+def test_no_client_is_built_from_a_bare_bootstrap_address():
+    calls = list(client_calls())
+    assert len(calls) >= 10  # the scan finds the clients it is meant to check
+    bare = [where for where, call in calls if any(k.arg == "bootstrap_servers" for k in call.keywords)]
+    unpacked = [where for where, call in calls if not any(k.arg is None for k in call.keywords)]
+    assert bare == [] and unpacked == [], (bare, unpacked)  # each takes **<settings>.kafka.options() or kafka_opts
+
+
+async def test_the_reply_reader_speaks_sasl_over_tls_when_configured():
+    s = load(environ={"SLUICE_KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "SLUICE_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+                      "SLUICE_KAFKA_SASL_USERNAME": "scorer", "SLUICE_KAFKA_SASL_PASSWORD": "s3cret"})
+    client = ReplyReader(s.kafka.options(), "replies").consumer._client
+    assert client._security_protocol == "SASL_SSL" and client._sasl_mechanism == "SCRAM-SHA-512"
+    assert client._sasl_plain_username == "scorer" and client._ssl_context is not None
