@@ -7,6 +7,8 @@ needed, and says so in `x-sluice-truncated`.
 
 from __future__ import annotations
 
+from schemas.wire import ErrorCode
+
 ERROR_CODE = "x-sluice-error-code"
 ERROR_MESSAGE = "x-sluice-error-message"
 SOURCE_TOPIC = "x-sluice-source-topic"
@@ -14,6 +16,23 @@ SOURCE_PARTITION = "x-sluice-source-partition"
 SOURCE_OFFSET = "x-sluice-source-offset"
 TRUNCATED = "x-sluice-truncated"
 _NAMES = {ERROR_CODE, ERROR_MESSAGE, SOURCE_TOPIC, SOURCE_PARTITION, SOURCE_OFFSET, TRUNCATED}
+# For consumers of the DLQ in other languages (sluice schemas export, the AsyncAPI document).
+HEADERS_SCHEMA = {
+    "type": "object",
+    "description": "Headers of a dead letter: why the record could not be answered and where it came from. "
+                   "The value is the original record's bytes (cut, with x-sluice-truncated, only when it would "
+                   "not fit the broker's largest record).",
+    "properties": {
+        ERROR_CODE: {"type": "string", "enum": [c.value for c in ErrorCode], "description": "The contract's error code"},
+        ERROR_MESSAGE: {"type": "string", "maxLength": 1000, "description": "What is wrong, for a person"},
+        SOURCE_TOPIC: {"type": "string"},
+        SOURCE_PARTITION: {"type": "string", "pattern": "^[0-9]+$"},
+        SOURCE_OFFSET: {"type": "string", "pattern": "^[0-9]+$"},
+        TRUNCATED: {"type": "string", "description": "Original key and value sizes, when cut"},
+    },
+    "required": [ERROR_CODE, ERROR_MESSAGE, SOURCE_TOPIC, SOURCE_PARTITION, SOURCE_OFFSET],
+}
+
 _RECORD_OVERHEAD = 512  # record and batch framing, generously
 
 

@@ -93,11 +93,3 @@ class Envelope(Struct, frozen=True):
 
     id: Any = None
     reply_to: Any = None
-
-
-def json_schemas() -> dict[str, dict]:
-    """JSON Schema documents for producers and consumers in other languages."""
-    return {
-        "request.schema.json": msgspec.json.schema(Request),
-        "reply.schema.json": msgspec.json.schema(Reply),
-    }

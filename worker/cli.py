@@ -94,9 +94,19 @@ def cmd_topics(args) -> int:
 
 
 def cmd_schemas(args) -> int:
-    from schemas.wire import json_schemas
+    from schemas.asyncapi import document, json_schemas
 
-    out = Path(args.dir)
+    if args.action == "asyncapi":
+        settings = _settings(args)
+        catalog = _catalog(settings)
+        text = json.dumps(document(catalog, settings.kafka.bootstrap), indent=2) + "\n"
+        if args.out:
+            Path(args.out).write_text(text)
+            print(args.out)
+        else:
+            sys.stdout.write(text)
+        return 0
+    out = Path(args.dir or "schemas/json")
     out.mkdir(parents=True, exist_ok=True)
     for name, schema in json_schemas().items():
         (out / name).write_text(json.dumps(schema, indent=2) + "\n")
@@ -251,9 +261,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="render: write here instead of stdout")
     p.set_defaults(fn=cmd_topics)
 
-    p = sub.add_parser("schemas", help="export the wire contract as JSON Schema")
-    p.add_argument("action", choices=["export"])
-    p.add_argument("dir")
+    p = sub.add_parser("schemas", help="the wire contract: JSON Schemas (export DIR) or an AsyncAPI 3.0 document")
+    p.add_argument("action", choices=["export", "asyncapi"])
+    p.add_argument("dir", nargs="?", help="export: the folder to write (default schemas/json)")
+    p.add_argument("--out", help="asyncapi: write here instead of stdout")
     p.set_defaults(fn=cmd_schemas)
 
     p = sub.add_parser("worker", help="run a worker")
