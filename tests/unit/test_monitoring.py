@@ -114,3 +114,10 @@ def test_the_dashboard_covers_what_an_operator_asks_first():
         assert needle in text, needle
     ids = [p["id"] for p in json.loads(text)["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_the_readme_metrics_table_names_every_metric():
+    readme = (MONITORING.parents[1] / "README.md").read_text()
+    for family in metrics.REGISTRY.collect():
+        shown = family.name + ("_total" if family.type == "counter" else "")
+        assert f"| `{shown}` |" in readme, shown
