@@ -32,7 +32,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
 from worker import metrics
-from worker.redis_seeds import SeedNodes
+from worker.redis_seeds import SeedNodes, redacted
 
 log = structlog.get_logger("sluice.answers")
 _chunk_enc = msgspec.msgpack.Encoder()
@@ -185,9 +185,9 @@ class AnswerStore:
     def _mark(self, ok: bool, exc: Exception | None = None) -> None:
         if ok != self.available:
             if ok:
-                log.info("redis_available", url=self.url)
+                log.info("redis_available", url=redacted(self.url))
             else:
-                log.warning("redis_unavailable", url=self.url, error=repr(exc))
+                log.warning("redis_unavailable", url=redacted(self.url), error=repr(exc))
         self.available = ok
         metrics.redis_up.set(1 if ok else 0)
         if not ok:

@@ -10,6 +10,17 @@ from __future__ import annotations
 DEFAULT_PORT = 6379
 
 
+def redacted(url: str) -> str:
+    """The URL fit for a log line: a password in it becomes `***` (the user name stays)."""
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    auth, at, hosts = netloc.rpartition("@")
+    if at:
+        user, colon, _password = auth.partition(":")
+        auth = f"{user}:***" if colon else "***"  # redis://secret@host puts the password alone
+    return f"{scheme}{sep}{auth}{at}{hosts}{slash}{path}"
+
+
 def split_url(url: str) -> tuple[str, list[tuple[str, int]]]:
     """`redis://[auth@]h1:p1,h2:p2/db` -> (URL of the first host, [(host, port) of the others])."""
     scheme, sep, rest = url.partition("://")
@@ -22,7 +33,7 @@ def split_url(url: str) -> tuple[str, list[tuple[str, int]]]:
         if not colon:
             host, port = other, str(DEFAULT_PORT)
         if not host or not port.isdigit():
-            raise ValueError(f"bad Redis seed address {other!r} in {url!r}")
+            raise ValueError(f"bad Redis seed address {other!r} in {redacted(url)!r}")
         extra.append((host, int(port)))
     return f"{scheme}{sep}{auth}{at}{first}{slash}{path}", extra
 

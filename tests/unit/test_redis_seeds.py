@@ -2,7 +2,7 @@ from types import SimpleNamespace as Node
 
 import pytest
 
-from worker.redis_seeds import SeedNodes, split_url
+from worker.redis_seeds import SeedNodes, redacted, split_url
 
 
 @pytest.mark.parametrize("url,first,extra", [
@@ -32,3 +32,19 @@ def test_seeds_keep_the_last_topology_after_the_configured_nodes():
     seeds.remember([Node(host="d", port=4)])
     assert seeds.addresses() == [("b", 2), ("d", 4)]
     assert [(n.host, n.port) for n in seeds.startup_nodes(lambda h, p: Node(host=h, port=p))] == [("b", 2), ("d", 4)]
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://sluice:s3cret@h1:7000,h2:7001/0", "redis://sluice:***@h1:7000,h2:7001/0"),
+    ("rediss://s3cret@h1:7000", "rediss://***@h1:7000"),
+    ("redis://h1:7000", "redis://h1:7000"),
+    ("redis://:s3cret@h1:7000", "redis://:***@h1:7000"),
+])
+def test_a_password_never_reaches_a_log_line(url, shown):
+    assert redacted(url) == shown
+
+
+def test_a_bad_seed_error_does_not_repeat_the_password():
+    with pytest.raises(ValueError) as err:
+        split_url("redis://u:s3cret@h1:7000,h2:notaport")
+    assert "s3cret" not in str(err.value)
