@@ -9,6 +9,7 @@ from typing import Protocol
 
 from schemas import Request
 from worker.engine_guard import EngineGuard
+from worker.prompt_tokens import encode_chat, encode_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,28 +197,29 @@ class VllmEngine:
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[PrometheusStatLogger])
         self._guard.watch()  # a SIGKILLed worker must not leave the engine processes running
         self._tokenizer = self._llm.get_tokenizer()
+        if getattr(self._tokenizer, "chat_template", None):
+            # A template that rewrites contents would make every chat request unsafe: refuse to start.
+            encode_chat(self._tokenizer, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
         self.max_model_len = self._llm.model_config.max_model_len
 
     def prompt_ids(self, request: Request) -> list[int]:
+        """Producer text never becomes control tokens (`worker/prompt_tokens.py`)."""
         if request.messages is not None:
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            # The template already holds the special tokens.
-            return list(self._tokenizer.encode(text, add_special_tokens=False))
-        return list(self._tokenizer.encode(request.prompt or ""))
+            return encode_chat(self._tokenizer, [{"role": m.role, "content": m.content} for m in request.messages])
+        return encode_text(self._tokenizer, request.prompt or "")
 
     def render_ids(self, text: str, chat: bool, system: str | None) -> list[int]:
-        """A template's rendered text as prompt ids: a chat turn (with optional system) or plain text."""
+        """A template's rendered text as prompt ids: a chat turn (with optional system) or plain text.
+        Rendered event fields are producer text: tokenized as such."""
         if not chat:
-            return list(self._tokenizer.encode(text))
+            return encode_text(self._tokenizer, text)
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        rendered = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self._tokenizer.encode(rendered, add_special_tokens=False))
+        return encode_chat(self._tokenizer, messages)
 
     def label_ids(self, labels: list[str], chat: bool) -> list[list[int]]:
         """Each label's tokens as the model would write them right after the prompt."""
         # After a chat prompt the answer starts a fresh turn; after plain text it follows a space.
-        return [list(self._tokenizer.encode(label if chat else " " + label, add_special_tokens=False))
+        return [encode_text(self._tokenizer, label if chat else " " + label, add_special_tokens=False)
                 for label in labels]
 
     def sampling_params(self, params: GenParams):
