@@ -15,6 +15,9 @@ from msgspec import Meta, Struct
 Currency = Annotated[str, Meta(pattern=r"^[A-Z]{3}$")]
 Country = Annotated[str, Meta(pattern=r"^[A-Z]{2}$")]
 Mcc = Annotated[str, Meta(pattern=r"^[0-9]{4}$")]
+# Identifiers reach the model's prompt: no spaces, no markup, so a field can name a merchant but
+# cannot carry sentences written to sway the model (tokenization alone does not stop that).
+Identifier = Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$")]
 
 
 class Transaction(Struct, frozen=True, kw_only=True):
@@ -24,12 +27,12 @@ class Transaction(Struct, frozen=True, kw_only=True):
     timestamp: datetime
     amount: Annotated[float, Meta(ge=0)]
     currency: Currency
-    merchant_id: Annotated[str, Meta(min_length=1, max_length=64)]
+    merchant_id: Identifier
     mcc: Mcc  # merchant category code (ISO 18245)
     country: Country  # where the merchant is (ISO 3166-1 alpha-2)
     channel: Literal["pos", "ecommerce", "atm", "moto", "contactless"]
     card_present: bool
-    customer_id: Annotated[str, Meta(min_length=1, max_length=64)]
+    customer_id: Identifier
     # history features, computed upstream over the customer's last 24 h
     txn_count_24h: Annotated[int, Meta(ge=0)] = 0
     txn_sum_24h: Annotated[float, Meta(ge=0)] = 0.0

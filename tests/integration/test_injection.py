@@ -1,13 +1,13 @@
 """Producer text never becomes control tokens: prompts, message contents and event fields are
-tokenized with special-token strings as ordinary text, on the real model's tokenizer and engine."""
+tokenized with special-token strings as ordinary text (the real model's tokenizer), and an event
+field written to steer the model is refused by the event schema (the real engine and worker)."""
 
 import pytest
 from transformers import AutoTokenizer
 
 from loadgen.burst import run_burst
-from schemas import DoneReply
+from schemas import DoneReply, ErrorCode, ErrorReply
 from tests.integration.helpers import running_worker
-from tests.integration.test_score import direct_label_logprobs
 from tests.unit.test_templates import EVENT
 from worker.prompt_tokens import UnsafeTemplate, encode_chat, encode_text
 
@@ -60,30 +60,14 @@ def test_a_template_that_rewrites_content_is_refused(tokenizer):
         encode_chat(Rewriting(), [{"role": "user", "content": "x"}])
 
 
-async def test_an_injected_merchant_id_leaves_the_score_where_a_plain_one_puts_it(settings, catalog, engine, group_id,
-                                                                                 tokenizer):
-    events = {"plain": {**EVENT, "merchant_id": "m-1"}, "injected": {**EVENT, "merchant_id": INJECTED}}
-    reqs = [("realtime", {"id": f"inj-{name}-{group_id}", "kind": "score", "template": "fraud", "event": e})
-            for name, e in events.items()]
+async def test_an_injected_merchant_id_is_refused_naming_the_field(settings, catalog, engine, group_id):
+    reqs = [("realtime", {"id": f"inj-{group_id}", "kind": "score", "template": "fraud",
+                          "event": {**EVENT, "merchant_id": INJECTED}}),
+            ("realtime", {"id": f"plain-{group_id}", "kind": "score", "template": "fraud",
+                          "event": {**EVENT, "merchant_id": "m-1"}})]
     async with running_worker(settings, catalog, engine, group_id=group_id):
         out = await run_burst(settings.kafka.options(), catalog, reqs, timeout_s=120)
-    scores = {name: out[body["id"]].final.scores["fraud"] for name, (_, body) in zip(events, reqs)
-              if isinstance(out[body["id"]].final, DoneReply)}
-    assert set(scores) == {"plain", "injected"}, out
-
-    # The same event tokenized the old way (special tokens parsed), scored straight through the engine.
-    from schemas.templates import Templates
-
-    template = Templates().get("fraud")
-    messages = [{"role": "system", "content": template.system},
-                {"role": "user", "content": template.render(events["injected"])}]
-    legit, fraud = (tokenizer.encode(label, add_special_tokens=False)[0] for label in ("legit", "fraud"))
-    lp = await direct_label_logprobs(engine, whole_string(tokenizer, messages), [legit, fraud])
-    import math
-
-    forged = math.exp(lp[1]) / (math.exp(lp[0]) + math.exp(lp[1]))
-    protected_shift, forged_shift = abs(scores["injected"] - scores["plain"]), abs(forged - scores["plain"])
-    print(f"P(fraud): plain {scores['plain']:.4f}, injected {scores['injected']:.4f}, "
-          f"injected with control tokens parsed {forged:.4f}")
-    assert protected_shift < 0.1
-    assert protected_shift < forged_shift
+    refused, plain = out[f"inj-{group_id}"].final, out[f"plain-{group_id}"].final
+    assert isinstance(refused, ErrorReply) and refused.code == ErrorCode.INVALID_REQUEST
+    assert "merchant_id" in refused.message
+    assert isinstance(plain, DoneReply) and set(plain.scores) == {"legit", "fraud"}
