@@ -11,8 +11,12 @@ def need_tool(name: str, package: str | None = None) -> str:
     named in SLUICE_REQUIRE_TOOLS (.ci/run installs and names them): their absence fails."""
     path = shutil.which(name)
     if path is None:
-        hint = f"apt-get install {package or name}"
-        if name in os.environ.get("SLUICE_REQUIRE_TOOLS", "").split():
-            pytest.fail(f"{name} is not installed ({hint}); .ci/run installs it")
-        pytest.skip(f"{name} is not installed ({hint})")
+        missing(name, f"{name} is not installed (apt-get install {package or name})")
     return path
+
+
+def missing(name: str, reason: str):
+    """Skip for `reason`, or fail where SLUICE_REQUIRE_TOOLS names `name`."""
+    if name in os.environ.get("SLUICE_REQUIRE_TOOLS", "").split():
+        pytest.fail(f"{reason}; .ci/run installs it")
+    pytest.skip(reason)

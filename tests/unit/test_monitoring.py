@@ -6,7 +6,6 @@ import re
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 
 from tests.tools import need_tool
