@@ -11,7 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import msgspec
 
-from schemas import dlq
+from schemas import dlq, signing
 from schemas.events import BackfillResult, Transaction
 from schemas.wire import DoneReply, ErrorReply, Request, TokenReply
 
@@ -49,6 +49,17 @@ def _ref(name: str) -> dict:
     return {"$ref": REF.format(name=name)}
 
 
+# Request headers; the two signing headers are required where workers run `tenancy_mode signed`.
+REQUEST_HEADERS = {"type": "object", "properties": {
+    "content-type": {"type": "string", "enum": ["application/json", "application/msgpack"],
+                     "description": "The value's encoding; JSON when absent"},
+    signing.TENANT_HEADER: {"type": "string", "description": "tenancy_mode signed: the tenant the record is from"},
+    signing.SIGNATURE_HEADER: {"type": "string", "pattern": "^[^:]+:[0-9a-f]{64}$",
+                               "description": "tenancy_mode signed: `<key id>:<hex HMAC-SHA256>` over "
+                               "'sluice-v1\\n' + tenant + '\\n' + record key + '\\n' + value, under "
+                               "that tenant's key (schemas/signing.py)"}}}
+
+
 def _message(name: str, title: str, summary: str, payload: dict, key: str, headers: dict | None = None) -> dict:
     msg = {"name": name, "title": title, "summary": summary, "contentType": "application/json", "payload": payload,
            "bindings": {"kafka": {"key": {"type": "string", "description": key}, "bindingVersion": "0.5.0"}}}
@@ -78,7 +89,7 @@ def document(catalog, bootstrap: str = "localhost:9092") -> dict:
     messages = {
         "request": _message("request", "Inference request", "A generate or score request; unknown fields are "
                             "ignored. The reply goes to reply_to, or the default reply topic.", _ref("Request"),
-                            "The request id (keeps a request's records on one partition)"),
+                            "The request id (keeps a request's records on one partition)", headers=REQUEST_HEADERS),
         "token": _message("token", "Streamed tokens", "Tokens of a streaming request, in seq order per id.",
                           _ref("TokenReply"), "The request id"),
         "done": _message("done", "Final answer", "The request's last record: text, finish reason, usage and, "

@@ -79,10 +79,12 @@ class DoneReply(Struct, frozen=True, tag="done", tag_field="type", omit_defaults
     unchecked: bool = False  # as on TokenReply
 
 
-class ErrorReply(Struct, frozen=True, tag="error", tag_field="type"):
+class ErrorReply(Struct, frozen=True, tag="error", tag_field="type", omit_defaults=True):
     id: str
     code: ErrorCode
     message: str
+    # `overloaded`: publish the request again after this long (it was not run and not stored)
+    retry_after_ms: int | None = None
 
 
 Reply = TokenReply | DoneReply | ErrorReply

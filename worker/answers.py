@@ -17,6 +17,11 @@ past its end. A worker that dies between producing a reply and writing its answe
 leaves that record uncommitted; whoever reads it again runs it again. Redis trouble degrades, never stops: every call has a short timeout, and
 after a failure Redis is left alone for a back-off period while requests are
 served without the check.
+
+With an encryption keys file (worker/sealing.py) every answer and progress field is sealed,
+bound to the key (and field) it is stored under; a value that fails to open is treated as absent
+(the request runs, or starts over) and counted in `sluice_state_rejected_total`. Keys are named
+by tenant and request id (`Job.state_id`), so one tenant's id never finds another tenant's answer.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from worker import metrics
 from worker.redis_seeds import SeedNodes, redacted
+from worker.sealing import Sealer, Unsealable
 
 log = structlog.get_logger("sluice.answers")
 _chunk_enc = msgspec.msgpack.Encoder()
@@ -48,16 +54,19 @@ class Progress:
     scores: dict[str, float] | None = None
 
     @classmethod
-    def from_hash(cls, h: dict | None) -> "Progress | None":
+    def from_hash(cls, h: dict | None, unseal=lambda field, raw: raw) -> "Progress | None":
         if not h:
             return None
         chunks = []
         try:
             while (raw := h.get(f"c{len(chunks)}".encode())) is not None:
-                chunks.append(_chunk_dec.decode(raw))
-            scores = _scores_dec.decode(h[b"scores"]) if b"scores" in h else None
+                chunks.append(_chunk_dec.decode(unseal(f"c{len(chunks)}", raw)))
+            scores = _scores_dec.decode(unseal("scores", h[b"scores"])) if b"scores" in h else None
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None  # unreadable progress: start over rather than guess
+        except Unsealable as exc:
+            metrics.state_rejected.labels("progress", exc.reason).inc()
+            return None  # forged or altered progress: start over, never continue from it
         return cls(chunks, scores) if chunks else None
 # Fencing: each run of a request claims it (`SET owner`); progress and the answer are written only
 # by the run that holds the claim. KEYS[1] is the owner key; an empty owner (ARGV[1]) writes anyway
@@ -97,8 +106,9 @@ async def _close_quietly(client) -> None:
 
 class AnswerStore:
     def __init__(self, url: str, prefix: str, ttl_s: int, timeout_ms: int, backoff_s: float = 2.0,
-                 progress_ttl_s: int = 86400):
+                 progress_ttl_s: int = 86400, sealer: Sealer | None = None):
         self.url, self.prefix, self.ttl_s, self.progress_ttl_s = url, prefix, ttl_s, progress_ttl_s
+        self.sealer = sealer
         self.timeout = timeout_ms / 1000
         self.backoff_s = backoff_s
         self.seeds = SeedNodes(url)
@@ -213,7 +223,28 @@ class AnswerStore:
             return None
 
     async def get(self, request_id: str) -> bytes | None:
-        return await self._call(lambda c: c.get(self.key(request_id)))
+        return self._open_answer(request_id, await self._call(lambda c: c.get(self.key(request_id))))
+
+    def _open_answer(self, request_id: str, raw: bytes | None) -> bytes | None:
+        if raw is None or self.sealer is None:
+            return raw
+        try:
+            return self.sealer.open(raw, self.key(request_id))
+        except Unsealable as exc:
+            metrics.state_rejected.labels("answer", exc.reason).inc()
+            log.warning("stored_answer_rejected", reason=exc.reason)
+            return None  # the request runs again; its new answer replaces the bad value
+
+    def _unsealer(self, request_id: str):
+        if self.sealer is None:
+            return lambda field, raw: raw
+        key = self.progress_key(request_id)
+        return lambda field, raw: self.sealer.open(raw, f"{key}\0{field}")
+
+    def _seal_field(self, request_id: str, field: str, value: bytes) -> bytes:
+        if self.sealer is None:
+            return value
+        return self.sealer.seal(value, f"{self.progress_key(request_id)}\0{field}")
 
     async def lookup_many(self, request_ids: list[str], streamed: list[bool],
                           owners: list[str] | None = None) -> list[tuple[bytes | None, Progress | None]]:
@@ -239,8 +270,9 @@ class AnswerStore:
         if found is None:
             return [(None, None)] * len(request_ids)
         out, i = [], 0
-        for stream in streamed:
-            out.append((found[i], Progress.from_hash(found[i + 1]) if stream else None))
+        for rid, stream in zip(request_ids, streamed):
+            out.append((self._open_answer(rid, found[i]),
+                        Progress.from_hash(found[i + 1], self._unsealer(rid)) if stream else None))
             i += 2 if stream else 1
         # claim only what will run (an answered id is re-sent, and leaves no key behind)
         claims = [(rid, owner) for rid, owner, (answer, _) in zip(request_ids, owners or (), out) if answer is None]
@@ -261,9 +293,10 @@ class AnswerStore:
 
         A token record is produced only after this returned True for its chunk.
         """
-        fields = {f"c{seq}": _chunk_enc.encode((token_ids, text)) for seq, token_ids, text in chunks}
+        fields = {f"c{seq}": self._seal_field(request_id, f"c{seq}", _chunk_enc.encode((token_ids, text)))
+                  for seq, token_ids, text in chunks}
         if scores is not None:
-            fields["scores"] = _chunk_enc.encode(scores)
+            fields["scores"] = self._seal_field(request_id, "scores", _chunk_enc.encode(scores))
         args = [owner or "", self.progress_ttl_s] + [x for kv in fields.items() for x in kv]
         result = await self._call(lambda c: c.eval(_APPEND_IF_OWNER, 2, self.owner_key(request_id),
                                                    self.progress_key(request_id), *args))
@@ -275,6 +308,8 @@ class AnswerStore:
         async def run(c):
             pipe = c.pipeline()
             for rid, payload, owner in items:
+                if self.sealer is not None:
+                    payload = self.sealer.seal(payload, self.key(rid))
                 pipe.eval(_ANSWER_IF_OWNER, 3, self.owner_key(rid), self.key(rid), self.progress_key(rid),
                           owner, payload, self.ttl_s)
             return await pipe.execute()

@@ -32,10 +32,22 @@ class Dispatcher:
         self.tasks: dict[asyncio.Task, object] = {}  # per-record task -> its partition
         self.engine_jobs: dict[asyncio.Task, Job] = {}  # tasks holding an engine slot
         self.rejects = 0
+        self._live: dict[str, set[int]] = {}  # tenant -> its jobs waiting, running or suspended (quotas)
         self.wake = asyncio.Event()  # something to admit, or a slot freed
 
     def add(self, cls: str, job: Job) -> None:
+        self._live.setdefault(job.tenant, set()).add(id(job))
         self.scheduler.add(cls, job, job.timestamp_ms, job.request.deadline_ms)
+
+    def tenant_in_flight(self, tenant: str) -> int:
+        return len(self._live.get(tenant, ()))
+
+    def _forget(self, job: Job) -> None:
+        live = self._live.get(job.tenant)
+        if live is not None:
+            live.discard(id(job))
+            if not live:
+                del self._live[job.tenant]
 
     def busy(self) -> bool:
         """Work waits for or holds an engine slot: the engine should be making progress."""
@@ -52,10 +64,10 @@ class Dispatcher:
             if admitted:
                 self.liveness.engine_moved()  # admission is progress too: the stall clock restarts
             for cls, job in expired:
-                self.spawn(self.replies.expire(job), cls, job.tp, job.offset)
+                self.spawn(self.replies.expire(job), cls, job.tp, job.offset, job=job)
             for cls, job in admitted:
                 job.slot_released = False
-                task = self.spawn(self.runner.serve(job), cls, job.tp, job.offset)
+                task = self.spawn(self.runner.serve(job), cls, job.tp, job.offset, job=job)
                 self.engine_jobs[task] = job
             self._suspend()
             for p in self.scheduler.policies:
@@ -83,19 +95,25 @@ class Dispatcher:
 
     def drop(self, partitions: set) -> list:
         """Waiting jobs of revoked partitions: never started, the new owner reads them again."""
-        return self.scheduler.remove(lambda job: job.tp in partitions)
+        dropped = self.scheduler.remove(lambda job: job.tp in partitions)
+        for job in dropped:
+            self._forget(job)
+        return dropped
 
     def reject_done(self) -> None:
         self.rejects -= 1
 
-    def spawn(self, coro, cls: str, tp, offset: int, on_done=None) -> asyncio.Task:
+    def spawn(self, coro, cls: str, tp, offset: int, on_done=None, job: Job | None = None) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self.tasks[task] = tp
-        task.add_done_callback(lambda t: self._finished(t, cls, tp, offset, on_done))
+        task.add_done_callback(lambda t: self._finished(t, cls, tp, offset, on_done, job))
         return task
 
-    def _finished(self, task: asyncio.Task, cls: str, tp, offset: int, on_done) -> None:
+    def _finished(self, task: asyncio.Task, cls: str, tp, offset: int, on_done, live_job: Job | None = None) -> None:
         self.tasks.pop(task, None)
+        if live_job is not None and not (not task.cancelled() and isinstance(task.exception(), Suspended)
+                                         and tp in self.tracker.partitions()):
+            self._forget(live_job)  # answered, failed or given up: no longer counts against its tenant
         if on_done is not None:
             on_done()
         job = self.engine_jobs.pop(task, None)

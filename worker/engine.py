@@ -241,7 +241,10 @@ class VllmEngine:
 
         try:
             async for out in self._llm.generate(
-                TokensPrompt(prompt_token_ids=prompt_ids),
+                # per-tenant salt: vLLM's local prefix cache never serves one tenant's prefix to another
+                # (time to first token would tell whether another tenant sent the same prompt)
+                TokensPrompt(prompt_token_ids=prompt_ids, cache_salt=f"sluice:{params.tenant}")
+                if params.tenant is not None else TokensPrompt(prompt_token_ids=prompt_ids),
                 self.sampling_params(params),
                 request_id,
                 priority=priority,

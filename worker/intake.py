@@ -29,6 +29,7 @@ from schemas import BadRequest, ErrorCode, RequestCodec
 from topics import Topic
 from worker import metrics
 from worker.runner import Job
+from worker.tenancy import Tenancy, Unauthenticated
 
 log = structlog.get_logger("sluice.intake")
 MAX_REJECTS_IN_FLIGHT = 256
@@ -51,13 +52,15 @@ class RecordRef:
 
 class Intake:
     def __init__(self, consumer, codec: RequestCodec, tracker, dispatcher, replies, answers, liveness,
-                 default_reply_topic: str, poll_ms: int, stopping=lambda: False, redis_wait_s: float = 10.0):
+                 default_reply_topic: str, poll_ms: int, stopping=lambda: False, redis_wait_s: float = 10.0,
+                 tenancy: Tenancy | None = None):
         self.consumer, self.codec, self.tracker = consumer, codec, tracker
         self.dispatcher, self.replies, self.answers, self.liveness = dispatcher, replies, answers, liveness
         self.default_reply_topic = default_reply_topic
         self.poll_ms = poll_ms
         self.stopping = stopping  # belt and braces beside cancellation
         self.redis_wait_s = redis_wait_s
+        self.tenancy = tenancy if tenancy is not None else Tenancy("single", "default", {}, default_reply_topic)
         # attempt tokens: unique per job run, across processes and restarts
         self.owner_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._attempts = itertools.count()
@@ -166,8 +169,17 @@ class Intake:
                 self.dispatcher.spawn(self.replies.unreadable(cls, record), cls, tp, record.offset)
                 return None
             request = self.codec.decode(record.value, record.headers, record.key)
+            tenant = self.tenancy.tenant_of(record, request)
+            refused = self.tenancy.reply_to_refused(tenant, request.reply_to)
+            if refused is not None:  # answered on the default reply topic, never on the refused one
+                raise BadRequest(ErrorCode.INVALID_REQUEST, refused, request.id)
             return Job(request, cls, topic.priority, request.reply_to or self.default_reply_topic,
-                       tp, record.offset, record.timestamp)
+                       tp, record.offset, record.timestamp, tenant=tenant)
+        except Unauthenticated as exc:
+            # No reply: the address in an unauthenticated record is not trusted. The DLQ keeps the bytes.
+            metrics.unauthenticated.labels(cls).inc()
+            log.warning("record_unauthenticated", cls=cls, partition=tp.partition, offset=record.offset, reason=str(exc))
+            self._reject(cls, tp, record, BadRequest(ErrorCode.INVALID_REQUEST, f"unauthenticated: {exc}"))
         except BadRequest as bad:
             self._reject(cls, tp, record, bad)
         except Exception as exc:  # noqa: BLE001 - one record never ends the loop
@@ -191,7 +203,7 @@ class Intake:
     async def _schedule(self, cls: str, jobs: list[Job], generations: dict) -> None:
         """Stored answers are re-sent; progress left by a dead owner rides along; the rest wait for admission."""
         owners = [f"{self.owner_id}#{next(self._attempts)}" for _ in jobs]
-        ids, streamed = [job.request.id for job in jobs], [job.request.stream for job in jobs]
+        ids, streamed = [job.state_id for job in jobs], [job.request.stream for job in jobs]
         stored = await self.answers.lookup_many(ids, streamed, owners)
         # Redis unavailable: wait a while (a master failover takes seconds) rather than run records that
         # may have been answered already; past the wait they run unchecked, and their replies say so.
@@ -209,8 +221,12 @@ class Intake:
                 job.owner = owner if claimed and answer is None else ""  # an answered id was not claimed
                 job.checked = claimed
                 reply = self.replies.decode_stored(answer) if answer is not None else None
+                limit = self.tenancy.max_in_flight(job.tenant)
                 if reply is not None:
                     self.dispatcher.spawn(self.replies.resend(job, reply), cls, job.tp, job.offset)
+                elif limit and self.dispatcher.tenant_in_flight(job.tenant) >= limit:
+                    self.dispatcher.spawn(self.replies.overloaded(job, limit, self.tenancy.retry_after_ms(job.tenant)),
+                                          cls, job.tp, job.offset)
                 else:
                     self.dispatcher.add(cls, job)
             except Exception as exc:  # noqa: BLE001 - answered `internal`, never the end of the loop

@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
-from worker import kv_pages
+from worker import kv_pages, sealing
 from worker.kv_move import PageMover
 from worker.redis_seeds import SeedNodes
 from worker.settings import KvSettings, RedisSettings
@@ -160,6 +160,8 @@ class SluiceKVConnector(KVConnectorBase_V1):
         self.fingerprint = extra.get("fingerprint", "")
         self.ttl_s = kv.ttl_s
         self.redis = _Redis(redis.url, redis.timeout_ms / 1000, float(extra.get("retry_s", 5.0)))
+        # pages sealed under the operator's keys: a page forged or altered in Redis is a miss (recomputed)
+        self.sealer = sealing.load(redis.encryption_keys_file)
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._pending_counts: dict[str, int] = {}
@@ -183,6 +185,14 @@ class SluiceKVConnector(KVConnectorBase_V1):
 
     def _key(self, digest: bytes) -> str:
         return kv_pages.key(self.prefix, digest)
+
+    def _open(self, digest: bytes, value: bytes | None) -> bytes | None:
+        if self.sealer is None or value is None:
+            return value
+        try:
+            return self.sealer.open(value, self._key(digest))
+        except sealing.Unsealable as exc:
+            raise kv_pages.PageError(exc.reason) from None
 
     # -- scheduler side --------------------------------------------------------
 
@@ -319,8 +329,8 @@ class SluiceKVConnector(KVConnectorBase_V1):
                 try:
                     if values is None:
                         raise kv_pages.PageError("unavailable")
-                    payload = kv_pages.decode(digest, values[j], dtype_name, mover.page_shape, len(mover.layers),
-                                              mover.dtype.itemsize)
+                    payload = kv_pages.decode(digest, self._open(digest, values[j]), dtype_name, mover.page_shape,
+                                              len(mover.layers), mover.dtype.itemsize)
                 except kv_pages.PageError as exc:
                     self._count(f"load_miss_{exc.reason}")
                     # this page and every later one are recomputed
@@ -386,8 +396,8 @@ class SluiceKVConnector(KVConnectorBase_V1):
             values = []
             for digest, pending, i, layers in batch:
                 pending.wait()
-                values.append((digest, kv_pages.encode(digest, dtype_name, mover.page_shape, layers,
-                                                       pending.page_bytes(i))))
+                value = kv_pages.encode(digest, dtype_name, mover.page_shape, layers, pending.page_bytes(i))
+                values.append((digest, value if self.sealer is None else self.sealer.seal(value, self._key(digest))))
             done = self.redis.pipeline_run([("set", self._key(d), v, self.ttl_s) for d, v in values])
             if done is None:
                 self._count("save_failed", len(values))

@@ -66,7 +66,7 @@ kv_pages = Counter("sluice_kv_pages_total", "KV pages moved to or from Redis", [
 kv_bytes = Counter("sluice_kv_bytes_total", "KV page bytes moved to or from Redis", ["op"], registry=REGISTRY)
 kv_load_misses = Counter("sluice_kv_load_misses_total",
                          "Stored pages not used (recomputed instead), by reason: missing, corrupt, checksum, "
-                         "layout, unavailable", ["reason"], registry=REGISTRY)
+                         "layout, unavailable; with encryption also forged, not_sealed, unknown_key", ["reason"], registry=REGISTRY)
 kv_save_failures = Counter("sluice_kv_save_failures_total", "Pages not saved: dropped (writer behind) or failed",
                            ["reason"], registry=REGISTRY)
 kv_lookups_unavailable = Counter("sluice_kv_lookups_unavailable_total",
@@ -93,6 +93,13 @@ revoke_aborted = Counter("sluice_revoke_aborted_total",
 tokens_held = Counter("sluice_tokens_held_total",
                       "Token records held back because their progress could not be stored (Redis degraded)",
                       registry=REGISTRY)
+unauthenticated = Counter("sluice_records_unauthenticated_total",
+                          "Records dead-lettered because their tenant could not be authenticated (tenancy_mode signed)",
+                          ["class"], registry=REGISTRY)
+state_rejected = Counter("sluice_state_rejected_total",
+                         "Values read from Redis and not used because they failed authentication (forged, altered, "
+                         "stored under another key, unknown key id, not sealed): kind answer | progress",
+                         ["kind", "reason"], registry=REGISTRY)
 fenced = Counter("sluice_attempts_fenced_total",
                  "Attempts stopped because another worker claimed their request (this one was paused too long)",
                  registry=REGISTRY)
@@ -130,7 +137,9 @@ def record_kv(cls: str, prompt_len: int, cached_tokens: int, kv: dict | None) ->
 # every class before its first request. (Outcomes: finish reasons and the contract's error codes.)
 OUTCOMES = ("stop", "length", "scored", "invalid_request", "payload_too_large", "deadline_exceeded", "overloaded",
             "internal")
-PAGE_MISS_REASONS = ("missing", "corrupt", "checksum", "layout", "unavailable")
+PAGE_MISS_REASONS = ("missing", "corrupt", "checksum", "layout", "unavailable", "forged", "not_sealed", "unknown_key")
+# why a sealed value was not used (worker/sealing.py)
+UNSEALABLE_REASONS = ("not_sealed", "corrupt", "unknown_key", "forged")
 
 
 def start_series(classes) -> None:
@@ -138,6 +147,7 @@ def start_series(classes) -> None:
         for family in (records_consumed, tokens_generated, prompt_tokens, suspended, resumed, duplicates,
                        waiting, in_engine, paused_partitions, time_to_first_token, end_to_end, inter_token):
             family.labels(cls)
+        unauthenticated.labels(cls)
         for outcome in OUTCOMES:
             requests_completed.labels(cls, outcome)
         for source in ("computed", "local_cache", "redis"):
@@ -152,5 +162,8 @@ def start_series(classes) -> None:
         kv_load_misses.labels(reason)
     for reason in ("dropped", "failed"):
         kv_save_failures.labels(reason)
+    for kind in ("answer", "progress"):
+        for reason in UNSEALABLE_REASONS:
+            state_rejected.labels(kind, reason)
     for result in ("ok", "failed"):
         commits.labels(result)

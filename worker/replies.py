@@ -42,7 +42,7 @@ class Replies:
         """
         cls = job.latency_class
         final, payload = self.emitter.encode_final(final)
-        stored = self.answers.put_later(job.request.id, payload, job.owner)
+        stored = self.answers.put_later(job.state_id, payload, job.owner)
         stored = await stored if stored is not None else None
         if stored is False:
             raise Fenced(job)  # another worker took the request over while this one was paused
@@ -54,7 +54,7 @@ class Replies:
         await self.emitter.final(job.reply_to, final, self.running)
         outcome = final.code.value if isinstance(final, ErrorReply) else final.finish_reason
         metrics.requests_completed.labels(cls, outcome).inc()
-        metrics.tenant_requests.labels(metrics.tenant_label(job.request.tenant), outcome).inc()
+        metrics.tenant_requests.labels(metrics.tenant_label(job.tenant), outcome).inc()
         metrics.end_to_end.labels(cls).observe(max(0.0, time.time() - job.timestamp_ms / 1000))
         log.info("request_answered", request_id=job.request.id, cls=cls, outcome=outcome, segments=job.segments)
 
@@ -75,6 +75,17 @@ class Replies:
                     error=repr(results[first])[:200])
         for reply in again:
             await self.emitter.token_durably(job.reply_to, reply, self.running)
+
+    async def overloaded(self, job, limit: int, retry_after_ms: int) -> None:
+        """Over its tenant's in-flight limit: answered `overloaded` at once instead of queueing without bound.
+        Not stored: the same id published again later runs."""
+        await self.emitter.final(job.reply_to, ErrorReply(
+            job.request.id, ErrorCode.OVERLOADED,
+            f"tenant {job.tenant!r} has {limit} requests in flight on this worker (its limit); retry later",
+            retry_after_ms=retry_after_ms), self.running)
+        metrics.requests_completed.labels(job.latency_class, ErrorCode.OVERLOADED.value).inc()
+        metrics.tenant_requests.labels(metrics.tenant_label(job.tenant), ErrorCode.OVERLOADED.value).inc()
+        log.info("request_overloaded", request_id=job.request.id, cls=job.latency_class, tenant=job.tenant)
 
     async def expire(self, job) -> None:
         await self.finish(job, ErrorReply(job.request.id, ErrorCode.DEADLINE_EXCEEDED,

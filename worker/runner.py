@@ -51,11 +51,17 @@ class Job:
     token_futures: list = field(default_factory=list)
     # token records held back because their progress could not be stored yet (Redis degraded)
     unstored: list = field(default_factory=list)
+    tenant: str = "default"  # the authenticated tenant (worker/tenancy.py), never the record's say-so
     owner: str = ""  # the attempt token this job claimed in Redis ("" when the claim could not be made)
     checked: bool = True  # False: run without the stored answer and progress (Redis unavailable at intake)
     resumed: bool = False
     suspend: asyncio.Event = field(default_factory=asyncio.Event)
     slot_released: bool = True  # set False while the job holds an engine slot
+
+    @property
+    def state_id(self) -> str:
+        """The request's name in Redis: its id within its tenant, so tenants never share answers or progress."""
+        return f"{self.tenant}:{self.request.id}"
 
 
 class Rejected(Exception):
@@ -180,7 +186,7 @@ class Runner:
         want_scores = bool(job.label_ids) and job.scores is None
         scores_only = req.kind == "score" and not req.max_tokens
         params = GenParams(remaining, params.temperature, params.top_p, params.seed, params.stop,
-                           job.label_ids if want_scores else (), tenant=req.tenant, save_pages=not scores_only)
+                           job.label_ids if want_scores else (), tenant=job.tenant, save_pages=not scores_only)
         chunk = _Chunk(self, job) if req.stream and not scores_only else None
         prefix_len = len(job.prompt_ids) + len(job.generated)  # this segment's prompt, as the engine sees it
         try:
@@ -254,7 +260,7 @@ class Runner:
         wait on the job (the stream pauses); `force` sends them anyway, just before the done.
         """
         first = job.unstored[0]
-        stored = await self.answers.append_chunks(job.request.id, [(r.seq, r.token_ids, r.text) for r in job.unstored],
+        stored = await self.answers.append_chunks(job.state_id, [(r.seq, r.token_ids, r.text) for r in job.unstored],
                                                   job.scores if first.seq == 0 else None, owner=job.owner)
         if stored is False:
             raise Fenced(job)

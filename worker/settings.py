@@ -2,7 +2,7 @@
 
 Precedence: defaults < TOML file (`SLUICE_CONFIG`, or `--config`) < environment.
 The tree is made of sections (`kafka`, `group`, `redis`, `progress`, `kv`, `engine`, `limits`,
-`stream`, `health`, `worker`, `ops`), each a frozen msgspec Struct passed whole to the stage
+`stream`, `health`, `worker`, `tenancy`, `ops`), each a frozen msgspec Struct passed whole to the stage
 that uses it. Every setting also has one flat name, its section's prefix plus the field
 (`kafka.bootstrap` is `kafka_bootstrap`, `engine.model` is `model`): the variable is
 `SLUICE_` + the flat name in capitals, and a TOML file may use either `[kafka] bootstrap = ...`
@@ -83,6 +83,9 @@ class RedisSettings(_Section):
     # Records read while Redis is unavailable wait this long for it (a master failover) before they
     # run without their stored answer and progress, marked `unchecked` on their replies.
     lookup_wait_s: Annotated[float, Meta(ge=0)] = 10.0
+    # Answers, progress and KV pages sealed with AES-256-GCM (or SM4-GCM) under keys from this TOML
+    # file (worker/sealing.py); None stores them in clear.
+    encryption_keys_file: str | None = None
 
 
 class ProgressSettings(_Section):
@@ -152,6 +155,17 @@ class WorkerSettings(_Section):
     max_produce_bytes: Annotated[int, Meta(ge=4096)] = 1_000_000
 
 
+class TenancySettings(_Section):
+    # Who a request belongs to (worker/tenancy.py): `single` - every request is `tenant`'s;
+    # `signed` - records carry a tenant header and an HMAC under that tenant's key.
+    mode: Literal["single", "signed"] = "single"
+    tenant: Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")] = "default"
+    tenants_file: str | None = None  # TOML: per-tenant signing keys, reply_to pattern, in-flight limit
+    # Reply topics (full-match regex) a tenant without its own `reply_to` may name; "" allows only
+    # the default reply topic.
+    reply_to: str = ""
+
+
 class OpsSettings(_Section):
     metrics_port: Port = 9464
     metrics_host: str = "0.0.0.0"
@@ -170,6 +184,7 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     stream: StreamSettings = StreamSettings()
     health: HealthSettings = HealthSettings()
     worker: WorkerSettings = WorkerSettings()
+    tenancy: TenancySettings = TenancySettings()
     ops: OpsSettings = OpsSettings()
 
     def override(self, **flat) -> "Settings":
@@ -182,7 +197,7 @@ class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
 # Each section's prefix in flat names; "" where the field name already says what it is.
 PREFIXES = {"kafka": "kafka_", "group": "group_", "redis": "redis_", "progress": "progress_", "kv": "kv_",
-            "engine": "", "limits": "", "stream": "stream_", "health": "", "worker": "", "ops": ""}
+            "engine": "", "limits": "", "stream": "stream_", "health": "", "worker": "", "tenancy": "tenancy_", "ops": ""}
 # flat name -> (section, field)
 FLAT = {f"{PREFIXES[section]}{field}": (section, field)
         for section, kind in zip(Settings.__struct_fields__, Settings.__annotations__.values())

@@ -24,7 +24,7 @@ from aiokafka import ConsumerRebalanceListener
 from schemas import RequestCodec
 from schemas.templates import Templates
 from topics import Catalog, Topic
-from worker import metrics
+from worker import metrics, sealing
 from worker.answers import AnswerStore
 from worker.commits import Commits
 from worker.dispatch import Dispatcher
@@ -37,6 +37,7 @@ from worker.replies import Replies
 from worker.runner import Runner
 from worker.settings import Settings
 from worker.supervisor import Liveness, Supervisor, monitor
+from worker.tenancy import Tenancy
 
 log = structlog.get_logger("sluice.worker")
 # After the grace and the aborts, how long final replies already on their way may take.
@@ -66,7 +67,7 @@ def kafka_consumer(settings: Settings):
 
 def answer_store(settings: Settings) -> AnswerStore:
     return AnswerStore(settings.redis.url, settings.redis.key_prefix, settings.redis.ttl_s, settings.redis.timeout_ms,
-                       progress_ttl_s=settings.progress.ttl_s)
+                       progress_ttl_s=settings.progress.ttl_s, sealer=sealing.load(settings.redis.encryption_keys_file))
 
 
 class _Rebalance(ConsumerRebalanceListener):
@@ -108,7 +109,8 @@ class Worker:
         self.dispatch.runner, self.dispatch.replies = self.runner, self.replies
         self.intake = Intake(self.consumer, RequestCodec(settings.limits), self.tracker, self.dispatch, self.replies,
                              self.answers, self.liveness, catalog.replies.name, settings.kafka.fetch_max_wait_ms,
-                             stopping=lambda: self.supervisor.stopping, redis_wait_s=settings.redis.lookup_wait_s)
+                             stopping=lambda: self.supervisor.stopping, redis_wait_s=settings.redis.lookup_wait_s,
+                             tenancy=Tenancy.from_settings(settings.tenancy, catalog.replies.name))
         self.commits = Commits(self.consumer, self.tracker, settings.group.commit_interval_ms / 1000,
                                classes={t.name: t.latency_class for t in catalog.requests})
         metrics.start_series(t.latency_class for t in catalog.requests)

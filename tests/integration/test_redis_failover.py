@@ -106,7 +106,7 @@ async def test_whole_cluster_unreachable_then_back(settings, catalog, engine, gr
             assert all(isinstance(o.final, DoneReply) and not o.problems for o in out.values())
             # back to normal: answers are stored again
             await w.answers.flush()
-            assert all([await w.answers.get(body["id"]) for _cls, body in light])
+            assert all([await w.answers.get(f"default:{body['id']}") for _cls, body in light])
     finally:
         for pid in pids:
             os.kill(pid, signal.SIGCONT)

@@ -134,7 +134,7 @@ async def test_an_unexpected_error_reading_one_record_is_answered_internal():
 
 async def test_a_stored_answer_that_does_not_decode_runs_the_request_again():
     mem = Memory(partitions=1)
-    mem.answers.answers["s1"] = b"\x00 not a reply"
+    mem.answers.answers["default:s1"] = b"\x00 not a reply"
     mem.send("standard", J({"id": "s1", "prompt": "x", "max_tokens": 2}), b"s1")
     async with running(mem):
         assert await until(mem.all_committed)

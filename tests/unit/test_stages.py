@@ -144,7 +144,7 @@ async def test_the_final_reply_and_its_commit_wait_for_the_stored_answer():
         assert not any(mem.broker.committed.values()), "committed before the answer was stored"
         mem.answers.hold.set()
         assert await until(mem.all_committed)
-    assert mem.answers.answers["a1"] and "a1" in mem.finals()
+    assert mem.answers.answers["default:a1"] and "a1" in mem.finals()
 
 
 async def test_token_records_wait_for_their_progress_while_redis_is_away():
@@ -156,7 +156,7 @@ async def test_token_records_wait_for_their_progress_while_redis_is_away():
         assert not mem.tokens(), "a token record went out before its progress was stored"
         mem.answers.available = True
         assert await until(lambda: len(mem.tokens()) > 0)
-        assert len(mem.answers.progress.get("h1", {})) >= len(mem.tokens())  # each one sent was stored first
+        assert len(mem.answers.progress.get("default:h1", {})) >= len(mem.tokens())  # each one sent was stored first
         assert await until(mem.all_committed)
     (done,) = mem.finals()["h1"]
     tokens = mem.tokens()
@@ -261,7 +261,7 @@ async def test_a_redis_blip_then_a_kill_loses_and_changes_nothing():
         assert await until(lambda: len(mem.tokens()) >= held_from + 5)
         mem.engine.running.clear()  # the worker dies: no more progress, no drain, no commit
         sent_by_a = {t.seq: t.text for t in mem.tokens()}
-        stored = mem.answers.progress["rb"]
+        stored = mem.answers.progress["default:rb"]
         assert set(sent_by_a) <= set(stored), "a token record went out before its progress was stored"
         b = type(a)(mem.settings, CATALOG, FakeEngine(), consumer=MemoryConsumer(mem.broker),
                     producer=mem.producer, answers=mem.answers)
@@ -361,5 +361,5 @@ async def test_an_answer_that_cannot_be_stored_is_marked_on_its_done():
         mem.answers.hold.set()
         assert await until(mem.all_committed)
     (done,) = mem.finals()["u1"]
-    assert done.unchecked and "u1" not in mem.answers.answers
+    assert done.unchecked and "default:u1" not in mem.answers.answers
     assert not any(t.unchecked for t in mem.tokens())
