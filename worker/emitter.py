@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import structlog
 from aiokafka.errors import KafkaError, KafkaTimeoutError
 
@@ -92,7 +93,7 @@ class Emitter:
     def encode_final(self, reply) -> tuple[object, bytes]:
         """The final reply as it goes on the wire (error messages capped) and its bytes."""
         if isinstance(reply, ErrorReply):
-            reply = ErrorReply(reply.id, reply.code, cap(reply.message))
+            reply = msgspec.structs.replace(reply, message=cap(reply.message))
         return reply, self.codec.encode(reply)
 
     async def final(self, topic: str, reply, retry_until=None) -> bytes:

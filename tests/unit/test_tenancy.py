@@ -1,0 +1,174 @@
+"""Tenancy over the in-memory doubles: signed records, ids scoped by tenant, reply_to allow-list, quotas."""
+
+from __future__ import annotations
+
+import base64
+from types import SimpleNamespace
+
+import pytest
+
+from schemas import DoneReply, ErrorCode, ErrorReply, Request, dlq
+from schemas.signing import SIGNATURE_HEADER, TENANT_HEADER, signed_headers
+from tests.unit.harness import CATALOG, J, Memory, running, until
+from worker.fake_engine import FakeEngine
+from worker.tenancy import Tenancy, TenancyError, TenantPolicy, Unauthenticated
+
+SECRET_A, SECRET_B = b"a" * 32, b"b" * 32
+TENANTS = f"""
+[tenant.acme]
+signing_keys = {{ k1 = "{base64.b64encode(SECRET_A).decode()}" }}
+reply_to = "acme\\\\.replies"
+max_in_flight = 2
+retry_after_ms = 750
+
+[tenant.globex]
+signing_keys = {{ k1 = "{base64.b64encode(SECRET_B).decode()}" }}
+"""
+
+
+def record(value: bytes, key: bytes | None, headers=()):
+    return SimpleNamespace(value=value, key=key, headers=list(headers))
+
+
+def signed(tenant: str, secret: bytes, body: dict, key_id: str = "k1"):
+    value, key = J(body), body["id"].encode()
+    return value, key, signed_headers(tenant, key_id, secret, key, value)
+
+
+@pytest.fixture()
+def tenants_file(tmp_path):
+    path = tmp_path / "tenants.toml"
+    path.write_text(TENANTS)
+    return str(path)
+
+
+def tenancy(tenants_file, mode="signed"):
+    settings = SimpleNamespace(mode=mode, tenant="default", tenants_file=tenants_file, reply_to="")
+    return Tenancy.from_settings(settings, "sluice.replies")
+
+
+GOOD = {"id": "r1", "prompt": "hello"}
+CASES = [
+    # (what, headers changed by, value changed by, expected tenant or error fragment)
+    ("valid", None, None, "acme"),
+    ("no headers", lambda h: [], None, "headers are required"),
+    ("unknown tenant", lambda h: [(TENANT_HEADER, b"initech"), h[1]], None, "unknown tenant"),
+    ("another tenant's name", lambda h: [(TENANT_HEADER, b"globex"), h[1]], None, "does not verify"),
+    ("unknown key id", lambda h: [h[0], (SIGNATURE_HEADER, b"k9:" + h[1][1].split(b":")[1])], None, "no signing key"),
+    ("altered value", None, lambda v: v.replace(b"hello", b"hellO"), "does not verify"),
+    ("garbage signature", lambda h: [h[0], (SIGNATURE_HEADER, b"k1:zz")], None, "does not verify"),
+]
+
+
+@pytest.mark.parametrize("what,edit_headers,edit_value,expected", CASES, ids=[c[0] for c in CASES])
+def test_signed_records_verify_only_unaltered_under_the_tenants_key(tenants_file, what, edit_headers, edit_value,
+                                                                      expected):
+    t = tenancy(tenants_file)
+    value, key, headers = signed("acme", SECRET_A, GOOD)
+    headers = edit_headers(headers) if edit_headers else headers
+    value = edit_value(value) if edit_value else value
+    rec = record(value, key, headers)
+    if expected == "acme":
+        assert t.tenant_of(rec, Request(id="r1", prompt="hello")) == "acme"
+    else:
+        with pytest.raises(Unauthenticated, match=expected):
+            t.tenant_of(rec, Request(id="r1", prompt="hello"))
+
+
+def test_a_record_key_swapped_or_a_tenant_field_naming_another_tenant_is_refused(tenants_file):
+    t = tenancy(tenants_file)
+    value, key, headers = signed("acme", SECRET_A, GOOD)
+    with pytest.raises(Unauthenticated, match="does not verify"):
+        t.tenant_of(record(value, b"other-key", headers), Request(id="r1"))
+    body = {**GOOD, "tenant": "globex"}
+    value, key, headers = signed("acme", SECRET_A, body)
+    with pytest.raises(Unauthenticated, match="not its signed tenant"):
+        t.tenant_of(record(value, key, headers), Request(id="r1", tenant="globex"))
+
+
+def test_single_mode_ignores_the_tenant_field_and_reply_to_follows_the_allow_list(tenants_file):
+    single = tenancy(tenants_file, mode="single")
+    assert single.tenant_of(record(b"{}", None), Request(id="x", tenant="globex")) == "default"
+    t = tenancy(tenants_file)
+    assert t.reply_to_refused("acme", None) is None
+    assert t.reply_to_refused("acme", "sluice.replies") is None  # the default reply topic
+    assert t.reply_to_refused("acme", "acme.replies") is None
+    assert "not allowed" in t.reply_to_refused("acme", "acme.replies.x")  # a full match, not a prefix
+    assert "not allowed" in t.reply_to_refused("globex", "acme.replies")  # another tenant's pattern
+    assert "not allowed" in t.reply_to_refused("acme", CATALOG.request_topic("realtime").name)
+
+
+def test_tenancy_settings_that_cannot_work_stop_start_up(tmp_path):
+    with pytest.raises(TenancyError, match="needs signing_keys"):
+        Tenancy("signed", "default", {}, "sluice.replies")
+    with pytest.raises(TenancyError, match="not a regular expression"):
+        Tenancy("single", "default", {"x": TenantPolicy(reply_to="(")}, "sluice.replies")
+    with pytest.raises(TenancyError, match="not base64"):
+        Tenancy("signed", "default", {"x": TenantPolicy(signing_keys={"k": "***"})}, "sluice.replies")
+    with pytest.raises(TenancyError, match="not found"):
+        Tenancy.from_settings(SimpleNamespace(mode="single", tenant="d", tenants_file=str(tmp_path / "no"),
+                                              reply_to=""), "r")
+
+
+def _final(mem, rid):
+    return [r for r in mem.finals(everywhere=True).get(rid, [])]
+
+
+async def test_signed_worker_scopes_ids_by_tenant_and_dead_letters_what_it_cannot_authenticate(tenants_file):
+    mem = Memory(partitions=1, tenancy_mode="signed", tenancy_tenants_file=tenants_file)
+    mem.send("standard", *signed("acme", SECRET_A, {"id": "same", "prompt": "acme's prompt", "max_tokens": 3}))
+    mem.send("standard", *signed("globex", SECRET_B, {"id": "same", "prompt": "globex's prompt, longer",
+                                                      "max_tokens": 5}))
+    forged = {"id": "same", "prompt": "x", "reply_to": "acme.replies"}
+    mem.send("standard", J(forged), b"same", [(TENANT_HEADER, b"acme"), (SIGNATURE_HEADER, b"k1:" + b"0" * 64)])
+    mem.send("standard", J({"id": "plain", "prompt": "x"}), b"plain")  # unsigned
+    async with running(mem):
+        assert await until(mem.all_committed)
+        # both tenants' "same" ran: two different answers, one per tenant
+        done = [r for r in _final(mem, "same") if isinstance(r, DoneReply)]
+        assert len(done) == 2 and {d.usage.completion_tokens for d in done} == {3, 5}
+        assert set(mem.answers.answers) >= {"acme:same", "globex:same"}
+        # globex repeats the id: it gets its own stored answer back, never acme's
+        mem.send("standard", *signed("globex", SECRET_B, {"id": "same", "prompt": "anything", "max_tokens": 9}))
+        assert await until(mem.all_committed)
+        done = [r for r in _final(mem, "same") if isinstance(r, DoneReply)]
+        assert len(done) == 3 and done[-1].usage.completion_tokens == 5
+    assert _final(mem, "plain") == [], "an unauthenticated record is never answered"
+    assert len(mem.dead_letters()) == 2  # the forged one and the unsigned one
+    assert all(dlq.parse(r.headers)[dlq.ERROR_MESSAGE].startswith("unauthenticated") for r in mem.dead_letters())
+    assert "acme.replies" not in {tp.topic for tp in mem.broker.logs}
+
+
+async def test_reply_to_outside_the_allow_list_is_refused_on_the_default_topic(tenants_file):
+    mem = Memory(partitions=1, tenancy_mode="signed", tenancy_tenants_file=tenants_file)
+    mem.send("standard", *signed("globex", SECRET_B, {"id": "g1", "prompt": "x", "reply_to": "acme.replies"}))
+    mem.send("standard", *signed("acme", SECRET_A, {"id": "a1", "prompt": "x", "max_tokens": 2,
+                                                    "reply_to": "acme.replies"}))
+    async with running(mem):
+        assert await until(mem.all_committed)
+    [refused] = mem.finals()["g1"]
+    assert isinstance(refused, ErrorReply) and refused.code == ErrorCode.INVALID_REQUEST
+    assert "not allowed" in refused.message
+    assert isinstance(mem.finals(everywhere=True)["a1"][0], DoneReply)
+    assert "a1" not in mem.finals()  # answered on acme.replies, not on the default topic
+    assert "g1" not in {r.id for r in mem.replies(everywhere=True) if r not in mem.replies()}
+
+
+async def test_a_tenant_over_its_in_flight_limit_is_answered_overloaded_while_another_is_served(tenants_file):
+    mem = Memory(partitions=1, engine=FakeEngine(token_delay_s=0.05), tenancy_mode="signed",
+                 tenancy_tenants_file=tenants_file)
+    for i in range(6):
+        mem.send("standard", *signed("acme", SECRET_A, {"id": f"a{i}", "prompt": "x", "max_tokens": 20,
+                                                        "reply_to": "acme.replies"}))
+    for i in range(3):
+        mem.send("standard", *signed("globex", SECRET_B, {"id": f"g{i}", "prompt": "x", "max_tokens": 20}))
+    async with running(mem):
+        assert await until(mem.all_committed, timeout=30)
+    finals = mem.finals(everywhere=True)
+    acme = [finals[f"a{i}"][0] for i in range(6)]
+    over = [r for r in acme if isinstance(r, ErrorReply)]
+    assert over and all(r.code == ErrorCode.OVERLOADED and r.retry_after_ms == 750 for r in over)
+    assert sum(isinstance(r, DoneReply) for r in acme) >= 2  # its limit's worth ran
+    assert all(isinstance(finals[f"g{i}"][0], DoneReply) for i in range(3)), "the other tenant is served"
+    for r in over:  # not stored: publishing the id again runs it
+        assert f"acme:{r.id}" not in mem.answers.answers
