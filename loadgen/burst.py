@@ -110,8 +110,9 @@ async def produce(kafka_opts: dict, items: list[tuple[str, bytes | None, bytes, 
 
 
 async def run_burst(kafka_opts: dict, catalog, requests: list[tuple[str, dict]], timeout_s: float = 600,
-                    on_token=None, progress=None) -> dict[str, Outcome]:
-    """Publish `requests`, read replies until each has its final; returns outcomes by id."""
+                    on_token=None, progress=None, sign=None) -> dict[str, Outcome]:
+    """Publish `requests`, read replies until each has its final; returns outcomes by id.
+    `sign(key, value)` gives each record's headers (tenancy_mode signed: `schemas.signing.signed_headers`)."""
     reader = ReplyReader(kafka_opts, catalog.replies.name)
     await reader.start()
     outcomes: dict[str, Outcome] = {}
@@ -120,7 +121,8 @@ async def run_burst(kafka_opts: dict, catalog, requests: list[tuple[str, dict]],
         items = []
         for cls, body in requests:
             outcomes[body["id"]] = Outcome(cls, now)
-            items.append((catalog.request_topic(cls).name, body["id"].encode(), msgspec.json.encode(body), []))
+            key, value = body["id"].encode(), msgspec.json.encode(body)
+            items.append((catalog.request_topic(cls).name, key, value, sign(key, value) if sign else []))
         await produce(kafka_opts, items)
         remaining = set(outcomes)
         deadline = time.monotonic() + timeout_s

@@ -38,7 +38,7 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from worker import metrics
 from worker.redis_seeds import SeedNodes, redacted
-from worker.sealing import Sealer, Unsealable
+from worker.sealing import KeyRing, Sealer, Unsealable
 
 log = structlog.get_logger("sluice.answers")
 _chunk_enc = msgspec.msgpack.Encoder()
@@ -106,7 +106,7 @@ async def _close_quietly(client) -> None:
 
 class AnswerStore:
     def __init__(self, url: str, prefix: str, ttl_s: int, timeout_ms: int, backoff_s: float = 2.0,
-                 progress_ttl_s: int = 86400, sealer: Sealer | None = None):
+                 progress_ttl_s: int = 86400, sealer: Sealer | KeyRing | None = None):
         self.url, self.prefix, self.ttl_s, self.progress_ttl_s = url, prefix, ttl_s, progress_ttl_s
         self.sealer = sealer
         self.timeout = timeout_ms / 1000

@@ -14,7 +14,8 @@ Keys come from a TOML file (`SLUICE_REDIS_ENCRYPTION_KEYS_FILE`, e.g. a mounted 
     "2026-12" = "..."
 
 Each value names its key and cipher, so a rotation needs no downtime: add the new key, make it
-active, and drop the old one after the longest TTL of what it sealed. A value that fails to
+active, and drop the old one after the longest TTL of what it sealed. Workers (and the engine's
+KV connector) read the file again when it changes, without a restart. A value that fails to
 open raises `Unsealable` with a short reason (the metric label); callers treat it as a miss.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import base64
 import os
 import struct
+import time
 import tomllib
 from pathlib import Path
 
@@ -141,9 +143,48 @@ def _bound(name: bytes | str) -> bytes:
     return struct.pack("<I", len(name)) + name
 
 
-def load(path: str | None) -> Sealer | None:
-    """The sealer for a keys file, or None when values are stored in clear (no file configured)."""
-    return Sealer.from_file(path) if path else None
+class KeyRing:
+    """The sealer of a keys file, read again when the file changes (a rotated Kubernetes Secret is
+    rewritten in place), checked at most every `check_s`. A file that cannot be read now keeps the
+    keys last read: a half-written file never drops the keys in use."""
+
+    def __init__(self, path: str | os.PathLike, check_s: float = 1.0):
+        self.path, self.check_s = str(path), check_s
+        self._sealer = Sealer.from_file(path)  # unusable at start-up: start-up fails, naming the file
+        self._stamp = self._file_stamp()
+        self._next_check = time.monotonic() + check_s
+        self.reload_failures = 0
+
+    def _file_stamp(self):
+        try:
+            st = os.stat(self.path)
+            return st.st_mtime_ns, st.st_size, st.st_ino
+        except OSError:
+            return None
+
+    def current(self) -> Sealer:
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + self.check_s
+            stamp = self._file_stamp()
+            if stamp is not None and stamp != self._stamp:
+                try:
+                    self._sealer = Sealer.from_file(self.path)
+                    self._stamp = stamp
+                except KeyFileError:
+                    self.reload_failures += 1
+        return self._sealer
+
+    def seal(self, value, bound_to) -> bytes:
+        return self.current().seal(value, bound_to)
+
+    def open(self, sealed, bound_to) -> bytes:
+        return self.current().open(sealed, bound_to)
+
+
+def load(path: str | None) -> KeyRing | None:
+    """The key ring of a keys file, or None when values are stored in clear (no file configured)."""
+    return KeyRing(path) if path else None
 
 
 def new_key(cipher: str = "aes-256-gcm") -> str:

@@ -6,7 +6,7 @@ import base64
 
 import pytest
 
-from worker.sealing import CIPHERS, KeyFileError, Sealer, Unsealable, new_key
+from worker.sealing import CIPHERS, KeyFileError, KeyRing, Sealer, Unsealable, new_key
 
 KEY_NAME = "sluice:req:{acme:r1}:answer"
 
@@ -101,3 +101,19 @@ def test_a_keys_file_loads_and_new_keys_have_the_ciphers_length(tmp_path):
         assert s.open(s.seal(b"v", "n"), "n") == b"v"
     with pytest.raises(KeyFileError, match="not found"):
         Sealer.from_file(tmp_path / "absent.toml")
+
+
+def test_a_key_ring_follows_its_file_and_keeps_its_keys_while_the_file_is_unusable(tmp_path):
+    k1, k2 = new_key(), new_key()
+    path = write(tmp_path, f'active = "k1"\n[keys]\nk1 = "{k1}"\n')
+    ring = KeyRing(path, check_s=0)
+    old = ring.seal(b"v", "n")
+    write(tmp_path, "[keys\n")  # half-written: the keys in use stay
+    assert ring.open(old, "n") == b"v" and ring.reload_failures == 1
+    write(tmp_path, f'active = "k2"\n[keys]\nk1 = "{k1}"\nk2 = "{k2}"\n')  # rotated in place
+    new = ring.seal(b"v", "n")
+    assert b"k2" in new[:8] and ring.open(old, "n") == b"v"
+    write(tmp_path, f'active = "k2"\n[keys]\nk2 = "{k2}"\n')  # the old key retired
+    with pytest.raises(Unsealable, match="unknown_key"):
+        ring.open(old, "n")
+    assert ring.open(new, "n") == b"v"
