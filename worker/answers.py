@@ -106,9 +106,10 @@ async def _close_quietly(client) -> None:
 
 class AnswerStore:
     def __init__(self, url: str, prefix: str, ttl_s: int, timeout_ms: int, backoff_s: float = 2.0,
-                 progress_ttl_s: int = 86400, sealer: Sealer | KeyRing | None = None):
+                 progress_ttl_s: int = 86400, sealer: Sealer | KeyRing | None = None, client_options: dict | None = None):
         self.url, self.prefix, self.ttl_s, self.progress_ttl_s = url, prefix, ttl_s, progress_ttl_s
         self.sealer = sealer
+        self.client_options = client_options or {}  # credentials and TLS (RedisSettings.client_options)
         self.timeout = timeout_ms / 1000
         self.backoff_s = backoff_s
         self.seeds = SeedNodes(url)
@@ -179,7 +180,8 @@ class AnswerStore:
         try:
             client = RedisCluster.from_url(
                 self.seeds.url, startup_nodes=self.seeds.startup_nodes(ClusterNode),
-                socket_timeout=self.timeout, socket_connect_timeout=self.timeout, cluster_error_retry_attempts=1)
+                socket_timeout=self.timeout, socket_connect_timeout=self.timeout, cluster_error_retry_attempts=1,
+                **self.client_options)
             async with asyncio.timeout(self.timeout * 4):  # not wait_for: 3.11's can swallow a cancellation
                 await client.initialize()
             self.seeds.remember(client.get_nodes())

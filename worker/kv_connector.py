@@ -56,8 +56,9 @@ PAGE_READ_SIZE = 1 << 20
 class _Redis:
     """A redis-py cluster client that backs off after an error instead of failing the engine."""
 
-    def __init__(self, url: str, timeout_s: float, retry_s: float):
+    def __init__(self, url: str, timeout_s: float, retry_s: float, client_options: dict | None = None):
         self.url, self.timeout_s, self.retry_s = url, timeout_s, retry_s
+        self.client_options = client_options or {}
         self.seeds = SeedNodes(url)
         self._client = None
         self._down_until = 0.0
@@ -72,7 +73,7 @@ class _Redis:
                 self._client = RedisCluster.from_url(
                     self.seeds.url, startup_nodes=self.seeds.startup_nodes(ClusterNode),
                     socket_timeout=self.timeout_s, cluster_error_retry_attempts=1, socket_connect_timeout=self.timeout_s,
-                    socket_read_size=PAGE_READ_SIZE)
+                    socket_read_size=PAGE_READ_SIZE, **self.client_options)
                 self.seeds.remember(self._client.get_nodes())
             except Exception:
                 self.failed()
@@ -159,7 +160,9 @@ class SluiceKVConnector(KVConnectorBase_V1):
         self.prefix = redis.key_prefix
         self.fingerprint = extra.get("fingerprint", "")
         self.ttl_s = kv.ttl_s
-        self.redis = _Redis(redis.url, redis.timeout_ms / 1000, float(extra.get("retry_s", 5.0)))
+        # credentials and TLS from the same settings as the worker's (with `password_file` the file is read
+        # here, in the engine's process, and the password never travels in the engine's configuration)
+        self.redis = _Redis(redis.client_url(), redis.timeout_ms / 1000, float(extra.get("retry_s", 5.0)), redis.client_options())
         # pages sealed under the operator's keys: a page forged or altered in Redis is a miss (recomputed)
         self.sealer = sealing.load(redis.encryption_keys_file)
         # scheduler side

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 
 import structlog
 
 from topics import Catalog
+from worker import preflight
 from worker.engine import DeviceUnavailable, EngineDead
 from worker.ops import OpsServer
 from worker.settings import Settings
@@ -46,6 +48,19 @@ async def run_worker(settings: Settings, catalog: Catalog, engine=None, **client
     ops = OpsServer(settings.ops.metrics_host, settings.ops.metrics_port, status)
     await ops.start()
     try:
+        if not clients:  # the real clients: check their settings before minutes of engine loading
+            if engine is None and settings.engine.engine_kind == "vllm":
+                from worker.engine import detect_device
+
+                detect_device(settings.engine.device)  # the device first: nothing else matters without it
+            try:
+                found = await preflight.check(settings, catalog.replies.name)
+            except preflight.StartupError as exc:
+                log.error("startup_refused", error=str(exc))
+                print(f"sluice: {exc}", file=sys.stderr)
+                return 1
+            if found["redis"] != "ok":
+                log.warning("redis_unreachable_at_start", note="serving degraded until it answers")
         if engine is None and settings.engine.engine_kind == "fake":
             from worker.fake_engine import FakeEngine
 

@@ -83,9 +83,41 @@ class RedisSettings(_Section):
     # Records read while Redis is unavailable wait this long for it (a master failover) before they
     # run without their stored answer and progress, marked `unchecked` on their replies.
     lookup_wait_s: Annotated[float, Meta(ge=0)] = 10.0
+    # ACL user and password (or a file holding the password, e.g. a mounted Secret); they take
+    # precedence over credentials in the URL, and are never logged.
+    username: str | None = None
+    password: str | None = None
+    password_file: str | None = None
+    # TLS (`rediss://` in the URL turns it on too): the CA that signed the nodes' certificates, and a
+    # client certificate and key where the cluster asks for one (tls-auth-clients).
+    tls: bool = False
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
     # Answers, progress and KV pages sealed with AES-256-GCM (or SM4-GCM) under keys from this TOML
     # file (worker/sealing.py); None stores them in clear.
     encryption_keys_file: str | None = None
+
+
+    def client_options(self) -> dict:
+        """Credentials and TLS for a redis-py cluster client (sync or asyncio), beside the URL."""
+        opts: dict = {}
+        if self.username is not None:
+            opts["username"] = self.username
+        if self.password_file is not None:
+            opts["password"] = Path(self.password_file).read_text().strip()
+        elif self.password is not None:
+            opts["password"] = self.password
+        if self.client_url().startswith("rediss://"):
+            opts.update(ssl_ca_certs=self.tls_ca_file, ssl_certfile=self.tls_cert_file, ssl_keyfile=self.tls_key_file)
+        return opts
+
+    def client_url(self) -> str:
+        """The URL clients connect with: `rediss://` when TLS is on (the scheme is what turns it on in
+        both redis-py clients)."""
+        if self.tls and self.url.startswith("redis://"):
+            return "rediss://" + self.url.removeprefix("redis://")
+        return self.url
 
 
 class ProgressSettings(_Section):

@@ -66,8 +66,9 @@ def kafka_consumer(settings: Settings):
 
 
 def answer_store(settings: Settings) -> AnswerStore:
-    return AnswerStore(settings.redis.url, settings.redis.key_prefix, settings.redis.ttl_s, settings.redis.timeout_ms,
-                       progress_ttl_s=settings.progress.ttl_s, sealer=sealing.load(settings.redis.encryption_keys_file))
+    return AnswerStore(settings.redis.client_url(), settings.redis.key_prefix, settings.redis.ttl_s, settings.redis.timeout_ms,
+                       progress_ttl_s=settings.progress.ttl_s, sealer=sealing.load(settings.redis.encryption_keys_file),
+                       client_options=settings.redis.client_options())
 
 
 class _Rebalance(ConsumerRebalanceListener):

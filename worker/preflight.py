@@ -1,0 +1,131 @@
+"""Start-up checks that run before the engine loads: a setting that cannot work stops the worker at
+once with a message naming it, instead of a worker that looks healthy and serves nothing.
+
+- the tenancy settings and tenants file, and the encryption keys file, must load;
+- Redis must accept the credentials and allow the commands sluice runs. Redis that cannot be reached
+  is not fatal (the worker serves degraded, as after a later outage); Redis that refuses the
+  credentials is, since waiting will not fix it;
+- the Kafka bootstrap must accept the TLS and SASL settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from worker import sealing
+from worker.tenancy import Tenancy, TenancyError
+
+
+class StartupError(RuntimeError):
+    """A setting that cannot work; the message names it (and never a secret)."""
+
+
+_REDIS_AUTH = ("SLUICE_REDIS_USERNAME / SLUICE_REDIS_PASSWORD / SLUICE_REDIS_PASSWORD_FILE "
+               "(or the credentials in SLUICE_REDIS_URL)")
+
+
+def _chain(exc: BaseException):
+    while exc is not None:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def check_files(settings, default_reply_topic: str) -> None:
+    try:
+        Tenancy.from_settings(settings.tenancy, default_reply_topic)
+    except TenancyError as exc:
+        raise StartupError(f"tenancy (SLUICE_TENANCY_*): {exc}") from None
+    try:
+        sealing.load(settings.redis.encryption_keys_file)
+    except sealing.KeyFileError as exc:
+        raise StartupError(f"SLUICE_REDIS_ENCRYPTION_KEYS_FILE: {exc}") from None
+    for name, path in (("SLUICE_REDIS_PASSWORD_FILE", settings.redis.password_file),):
+        if path is not None:
+            try:
+                open(path).close()
+            except OSError as exc:
+                raise StartupError(f"{name}: cannot read {path} ({exc.strerror})") from None
+
+
+async def check_redis(redis_settings, timeout_s: float = 5.0) -> str:
+    """'ok', or 'unreachable' (served degraded); `StartupError` when Redis refuses the credentials,
+    the TLS settings, or the commands sluice needs."""
+    from redis.asyncio.cluster import RedisCluster
+    from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+
+    from worker.redis_seeds import SeedNodes
+
+    seeds = SeedNodes(redis_settings.client_url())
+    tls = seeds.url.startswith("rediss://")
+    from redis.asyncio.cluster import ClusterNode
+
+    client = None
+    try:
+        client = RedisCluster.from_url(seeds.url, startup_nodes=seeds.startup_nodes(ClusterNode),
+                                       socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                       **redis_settings.client_options())
+        async with asyncio.timeout(timeout_s * 2):
+            await client.initialize()
+            probe = f"{redis_settings.key_prefix}:preflight:{{{uuid.uuid4().hex}}}"
+            await client.set(probe, b"1", ex=10)
+            await client.eval("return redis.call('DEL', KEYS[1])", 1, probe)
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - classified below
+        for cause in _chain(exc):
+            text = str(cause)
+            if isinstance(cause, AuthenticationError) or "WRONGPASS" in text or "NOAUTH" in text \
+                    or "invalid username-password" in text:
+                raise StartupError(f"Redis refused the credentials: check {_REDIS_AUTH}") from None
+            if isinstance(cause, NoPermissionError) or "NOPERM" in text:
+                raise StartupError(f"the Redis user lacks a permission sluice needs ({text.split(':')[0][:120]}): "
+                                   f"it must be allowed SET, GET, DEL, EXPIRE, HSET, HGETALL, EXISTS, EVAL on "
+                                   f"keys `{redis_settings.key_prefix}:*` ({_REDIS_AUTH})") from None
+            if "SSL" in type(cause).__name__ or "certificate" in text.lower() or "ssl" in text.lower():
+                raise StartupError(f"TLS to Redis failed ({type(cause).__name__}): check SLUICE_REDIS_TLS, "
+                                   "SLUICE_REDIS_TLS_CA_FILE, SLUICE_REDIS_TLS_CERT_FILE, SLUICE_REDIS_TLS_KEY_FILE")
+            if tls and isinstance(cause, ConnectionResetError):
+                # a TLS server that wants a client certificate resets the connection after the handshake
+                raise StartupError("Redis reset the TLS connection (a client certificate may be required): check "
+                                   "SLUICE_REDIS_TLS_CERT_FILE, SLUICE_REDIS_TLS_KEY_FILE, SLUICE_REDIS_TLS_CA_FILE")
+            if isinstance(cause, ResponseError):
+                raise StartupError(f"Redis answered an error at start-up: {text[:200]}") from None
+        return "unreachable"
+    finally:
+        if client is not None:
+            try:
+                await client.aclose()
+            except Exception:  # noqa: BLE001 - closing a client that never connected
+                pass
+
+
+async def check_kafka(kafka_settings, timeout_s: float = 15.0) -> None:
+    """The bootstrap must accept a connection with these TLS and SASL settings."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    try:
+        opts = kafka_settings.options()
+    except OSError as exc:  # a certificate, key or CA file that cannot be read
+        raise StartupError(f"SLUICE_KAFKA_SSL_*: {exc.filename or ''} {exc.strerror or exc}".strip()) from None
+    admin = AIOKafkaAdminClient(**opts, request_timeout_ms=int(timeout_s * 1000))
+    try:
+        async with asyncio.timeout(timeout_s):
+            await admin.start()
+    except Exception as exc:  # noqa: BLE001 - any failure here names the settings
+        what = next((c for c in _chain(exc) if "SSL" in type(c).__name__ or "Sasl" in type(c).__name__
+                     or "Authentication" in type(c).__name__), exc)
+        raise StartupError(f"cannot connect to Kafka at SLUICE_KAFKA_BOOTSTRAP={kafka_settings.bootstrap} with "
+                           f"SLUICE_KAFKA_SECURITY_PROTOCOL={kafka_settings.security_protocol} "
+                           f"({type(what).__name__}: {str(what)[:160]}): check the SLUICE_KAFKA_SSL_* and "
+                           "SLUICE_KAFKA_SASL_* settings") from None
+    finally:
+        try:
+            await admin.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+async def check(settings, default_reply_topic: str) -> dict:
+    check_files(settings, default_reply_topic)
+    await check_kafka(settings.kafka)
+    return {"redis": await check_redis(settings.redis)}
