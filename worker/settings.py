@@ -46,6 +46,10 @@ class KafkaSettings(_Section):
     sasl_username: str | None = None
     sasl_password: str | None = None
     ssl_cafile: str | None = None
+    # Mutual TLS: the client certificate and its key (PEM), and the key's password if it is encrypted.
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_password: str | None = None
     # Idempotent producers: on for real Kafka; the embedded dev broker lacks InitProducerId.
     idempotence: bool = True
     # Upper bound on how long a fetch waits for data. Apache Kafka answers as soon as
@@ -63,7 +67,8 @@ class KafkaSettings(_Section):
         if self.security_protocol in ("SSL", "SASL_SSL"):
             from aiokafka.helpers import create_ssl_context
 
-            opts["ssl_context"] = create_ssl_context(cafile=self.ssl_cafile)
+            opts["ssl_context"] = create_ssl_context(cafile=self.ssl_cafile, certfile=self.ssl_certfile,
+                                                     keyfile=self.ssl_keyfile, password=self.ssl_password)
         return opts
 
 

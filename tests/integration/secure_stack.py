@@ -28,6 +28,10 @@ class Pki:
     client_cert: Path
     client_key: Path
     server_pem: Path  # certificate and key in one file (brokers that take one file)
+    client_key_encrypted: Path  # the client key under KEY_PASSWORD
+
+
+KEY_PASSWORD = "client-key-pw-4b7e"
 
 
 def make_pki(folder: Path) -> Pki:
@@ -71,7 +75,12 @@ def make_pki(folder: Path) -> Pki:
     (folder / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     pem = folder / "server.pem"
     pem.write_bytes(out["server"][0].read_bytes() + out["server"][1].read_bytes())
-    return Pki(folder / "ca.crt", *out["server"], *out["client"], pem)
+    client_key = serialization.load_pem_private_key(out["client"][1].read_bytes(), None)
+    encrypted = folder / "client-encrypted.key"
+    encrypted.write_bytes(client_key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(KEY_PASSWORD.encode())))
+    return Pki(folder / "ca.crt", *out["server"], *out["client"], pem, encrypted)
 
 
 class TlsRedisCluster:
@@ -147,3 +156,54 @@ class TlsRedisCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
         self.procs.clear()
+
+
+class MutualTlsProxy:
+    """A TLS endpoint in front of a plaintext Kafka broker: it requires a client certificate signed by
+    the test CA, and pipes bytes to the broker. The broker advertises the proxy's address, so every
+    connection a client makes (bootstrap, group coordinator, partition leaders) goes through it.
+    `verified` lists the certificate subject of every connection it accepted (a handshake without a
+    valid certificate fails before a connection exists)."""
+
+    def __init__(self, pki: Pki, listen_port: int, broker_port: int):
+        self.pki, self.listen_port, self.broker_port = pki, listen_port, broker_port
+        self.verified: list[str] = []
+        self._server = None
+
+    async def start(self) -> "MutualTlsProxy":
+        import asyncio
+        import ssl
+
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(self.pki.ca))
+        ctx.load_cert_chain(str(self.pki.server_cert), str(self.pki.server_key))
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        self._server = await asyncio.start_server(self._serve, HOST, self.listen_port, ssl=ctx,
+                                                  ssl_handshake_timeout=5)
+        return self
+
+    async def _serve(self, reader, writer) -> None:
+        import asyncio
+
+        cert = writer.get_extra_info("peercert")
+        self.verified.append(dict(x[0] for x in cert["subject"])["commonName"])
+        try:
+            up_reader, up_writer = await asyncio.open_connection(HOST, self.broker_port)
+        except OSError:
+            writer.close()
+            return
+
+        async def pipe(src, dst):
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (OSError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
