@@ -12,11 +12,12 @@ from importlib.metadata import PackageNotFoundError, version
 import msgspec
 
 from schemas import dlq, signing
+from schemas.audit import AuditRecord
 from schemas.events import BackfillResult, Transaction
 from schemas.wire import DoneReply, ErrorReply, Request, TokenReply
 
 REF = "#/components/schemas/{name}"
-STRUCTS = (Request, TokenReply, DoneReply, ErrorReply, Transaction, BackfillResult)
+STRUCTS = (Request, TokenReply, DoneReply, ErrorReply, Transaction, BackfillResult, AuditRecord)
 
 
 
@@ -33,6 +34,7 @@ def json_schemas() -> dict[str, dict]:
         "reply.schema.json": msgspec.json.schema(TokenReply | DoneReply | ErrorReply),
         "transaction.schema.json": msgspec.json.schema(Transaction),
         "backfill-result.schema.json": msgspec.json.schema(BackfillResult),
+        "audit.schema.json": msgspec.json.schema(AuditRecord),
         "dlq-headers.schema.json": {"$schema": "https://json-schema.org/draft/2020-12/schema",
                                     "title": "sluice dead-letter headers", **dlq.HEADERS_SCHEMA},
     }
@@ -104,6 +106,9 @@ def document(catalog, bootstrap: str = "localhost:9092") -> dict:
                                 "scoring and of backfills.", _ref("Transaction"), "Any (often the card or account)"),
         "backfillResult": _message("backfillResult", "Backfill result", "One per source event: its scores or "
                                    "the error that stopped it.", _ref("BackfillResult"), "The event id"),
+        "audit": _message("audit", "Audit record", "One per finished request (duplicates and refusals "
+                          "included), produced before the request's offset is committed.", _ref("AuditRecord"),
+                          "The request id (none for a record without a readable id)"),
     }
     channels, operations = {}, {}
     for t in catalog.requests:
@@ -121,6 +126,10 @@ def document(catalog, bootstrap: str = "localhost:9092") -> dict:
                                    parameters={"replyTo": {"description": "The request's reply_to"}})
     channels["deadLetters"] = _channel(catalog.dlq.name, "Records that could not be answered because they carry "
                                        "no readable id.", ["deadLetter"], catalog.dlq)
+    if catalog.audit is not None:
+        channels["audit"] = _channel(catalog.audit.name, "The audit trail: who asked for what and what came of it "
+                                     "(prompt and output text only with SLUICE_AUDIT_CONTENT).", ["audit"], catalog.audit)
+        operations["sendAudit"] = _operation("send", "audit", "Workers record every finished request", ["audit"])
     channels["backfillSource"] = _channel("{source}", "The topic a backfill replays (transaction events).",
                                           ["transaction"], parameters={"source": {"description": "--source"}})
     channels["backfillResults"] = _channel("{out}", "Where a backfill writes one result per source event.",

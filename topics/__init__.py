@@ -17,7 +17,7 @@ CLASSES = ("realtime", "standard", "batch")
 
 class Topic(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: TopicName
-    role: Literal["requests", "replies", "dlq"]
+    role: Literal["requests", "replies", "dlq", "audit"]
     partitions: Annotated[int, Meta(ge=1)]
     replication_factor: Annotated[int, Meta(ge=1)] = 1
     config: dict[str, str] = {}
@@ -42,6 +42,8 @@ class Catalog(Struct, frozen=True):
         roles = [t.role for t in self.topic]
         if roles.count("replies") != 1 or roles.count("dlq") != 1:
             raise ValueError("topics file needs exactly one `replies` and one `dlq` topic")
+        if roles.count("audit") > 1:
+            raise ValueError("topics file may have one `audit` topic")
         classes = [t.latency_class for t in self.topic if t.role == "requests"]
         if None in classes or len(set(classes)) != len(classes) or not classes:
             raise ValueError("each request topic needs a distinct `class` (realtime | standard | batch)")
@@ -57,6 +59,11 @@ class Catalog(Struct, frozen=True):
     @property
     def dlq(self) -> Topic:
         return next(t for t in self.topic if t.role == "dlq")
+
+    @property
+    def audit(self) -> Topic | None:
+        """Where workers record every finished request (no audit trail without one)."""
+        return next((t for t in self.topic if t.role == "audit"), None)
 
     def by_name(self, name: str) -> Topic | None:
         return next((t for t in self.topic if t.name == name), None)

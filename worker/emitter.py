@@ -131,6 +131,11 @@ class Emitter:
         metrics.reply_records.labels("error" if isinstance(reply, ErrorReply) else "done").inc()
         return payload
 
+    async def audit(self, topic: str, key: bytes | None, value: bytes, retry_until=None) -> None:
+        """An audit record, waited for like a final reply (its request's offset is committed after it)."""
+        await self._send_durably(topic, value, key, [(CONTENT_TYPE, JSON.encode())], retry_until)
+        metrics.reply_records.labels("audit").inc()
+
     async def dead_letter(self, record, code: str, message: str, retry_until=None) -> None:
         """The record's original bytes to the DLQ, cut to fit the broker's record limit if needed."""
         extra = dlq.headers(code, cap(message), record.topic, record.partition, record.offset)

@@ -14,9 +14,16 @@ import msgspec
 import structlog
 
 from schemas import DoneReply, ErrorCode, ErrorReply
+from schemas.audit import AuditRecord, AuditSource
+from schemas.audit import encoder as audit_encoder
 from worker import metrics
 
 log = structlog.get_logger("sluice.replies")
+
+
+class _Source:
+    def __init__(self, topic: str, partition: int, offset: int):
+        self.topic, self.partition, self.offset = topic, partition, offset
 
 
 class Fenced(Exception):
@@ -29,9 +36,42 @@ class Fenced(Exception):
 
 
 class Replies:
-    def __init__(self, emitter, answers, default_topic: str, running):
+    def __init__(self, emitter, answers, default_topic: str, running, *, audit_topic: str | None = None,
+                 audit_content: bool = False, worker_name: str = "", model: str = ""):
         self.emitter, self.answers, self.default_topic = emitter, answers, default_topic
         self.running = running  # callable: keep retrying produces while true
+        self.audit_topic, self.audit_content = audit_topic, audit_content
+        self.worker_name, self.model = worker_name, model
+
+    async def _audit(self, cls: str, source, request_id: str | None, outcome: str, *, job=None, final=None,
+                     message: str | None = None) -> None:
+        """The request's audit record, produced before its offset can be committed (no-op without an audit topic)."""
+        if self.audit_topic is None:
+            return
+        req = job.request if job is not None else None
+        done = final if isinstance(final, DoneReply) else None
+        content = self.audit_content and req is not None
+        prompt = None
+        if content:
+            prompt = req.prompt if req.prompt is not None else msgspec.json.encode(
+                req.messages if req.messages is not None else req.event).decode()
+        record = AuditRecord(
+            id=request_id, tenant=job.tenant if job is not None else None, latency_class=cls, outcome=outcome,
+            source=AuditSource(source.topic, source.partition, source.offset), worker=self.worker_name,
+            model=self.model, kind=req.kind if req is not None else None,
+            finish_reason=done.finish_reason if done else None, scores=done.scores if done else None,
+            prompt_tokens=done.usage.prompt_tokens if done else None,
+            completion_tokens=done.usage.completion_tokens if done else None,
+            produced_ms=job.timestamp_ms if job is not None else getattr(source, "timestamp", 0) or 0,
+            answered_ms=int(time.time() * 1000), resumed=bool(done and done.resumed),
+            message=final.message if isinstance(final, ErrorReply) else message,
+            prompt=prompt, text=done.text if content and done else None)
+        await self.emitter.audit(self.audit_topic, request_id.encode() if request_id else None,
+                                 audit_encoder.encode(record), self.running)
+
+    @staticmethod
+    def _source(job):
+        return _Source(getattr(job.tp, "topic", ""), getattr(job.tp, "partition", -1), job.offset)
 
     async def finish(self, job, final) -> None:
         """The final reply of a request that was admitted (or expired).
@@ -53,10 +93,16 @@ class Replies:
                 final = msgspec.structs.replace(final, unchecked=True)
         await self.emitter.final(job.reply_to, final, self.running)
         outcome = final.code.value if isinstance(final, ErrorReply) else final.finish_reason
+        await self._audit(cls, self._source(job), job.request.id, outcome, job=job, final=final)
         metrics.requests_completed.labels(cls, outcome).inc()
         metrics.tenant_requests.labels(metrics.tenant_label(job.tenant), outcome).inc()
         metrics.end_to_end.labels(cls).observe(max(0.0, time.time() - job.timestamp_ms / 1000))
         log.info("request_answered", request_id=job.request.id, cls=cls, outcome=outcome, segments=job.segments)
+
+    async def superseded(self, job) -> None:
+        """A fenced attempt: another attempt (a later record with the same id, or another worker) answers it."""
+        await self._audit(job.latency_class, self._source(job), job.request.id, "superseded", job=job,
+                          message="another attempt claimed this request id and answers it")
 
     async def settle_tokens(self, job) -> None:
         """A `done` goes out only after every token record before it was acknowledged. Records whose
@@ -83,6 +129,8 @@ class Replies:
             job.request.id, ErrorCode.OVERLOADED,
             f"tenant {job.tenant!r} has {limit} requests in flight on this worker (its limit); retry later",
             retry_after_ms=retry_after_ms), self.running)
+        await self._audit(job.latency_class, self._source(job), job.request.id, ErrorCode.OVERLOADED.value, job=job,
+                          message=f"over the tenant's in-flight limit of {limit}")
         metrics.requests_completed.labels(job.latency_class, ErrorCode.OVERLOADED.value).inc()
         metrics.tenant_requests.labels(metrics.tenant_label(job.tenant), ErrorCode.OVERLOADED.value).inc()
         log.info("request_overloaded", request_id=job.request.id, cls=job.latency_class, tenant=job.tenant)
@@ -105,6 +153,7 @@ class Replies:
         """A repeat of an answered id: re-send the same final reply, run nothing."""
         metrics.duplicates.labels(job.latency_class).inc()
         await self.emitter.final(job.reply_to, reply, self.running)
+        await self._audit(job.latency_class, self._source(job), job.request.id, "duplicate", job=job, final=reply)
         log.info("duplicate_answered_from_store", request_id=job.request.id, cls=job.latency_class)
 
     async def reject(self, cls: str, record, bad) -> None:
@@ -117,6 +166,7 @@ class Replies:
             await self.emitter.dead_letter(record, bad.code.value, bad.message, self.running)
             route = "dlq"
         metrics.bad_records.labels(bad.code.value, route).inc()
+        await self._audit(cls, record, bad.id, bad.code.value, message=bad.message)
         log.info("bad_record", code=bad.code.value, route=route, cls=cls, topic=record.topic,
                  partition=record.partition, offset=record.offset, request_id=bad.id, reason=bad.message)
 
@@ -125,5 +175,6 @@ class Replies:
         message = f"the Kafka client could not parse this record: {record.error!r}"
         await self.emitter.dead_letter(record, ErrorCode.INVALID_REQUEST.value, message, self.running)
         metrics.bad_records.labels(ErrorCode.INVALID_REQUEST.value, "dlq").inc()
+        await self._audit(cls, record, None, ErrorCode.INVALID_REQUEST.value, message=message)
         log.warning("unreadable_record", cls=cls, topic=record.topic, partition=record.partition,
                     offset=record.offset, error=repr(record.error)[:300])

@@ -131,6 +131,14 @@ class Runner:
         job.label_ids = tuple(firsts)
 
     async def serve(self, job: Job) -> None:
+        try:
+            await self._serve(job)
+        except Fenced:
+            # its record is finished: the later attempt answers the id; the trail says so
+            await self.replies.superseded(job)
+            raise
+
+    async def _serve(self, job: Job) -> None:
         req = job.request
         log = structlog.get_logger("sluice.runner").bind(
             request_id=req.id, cls=job.latency_class, partition=getattr(job.tp, "partition", None), offset=job.offset)

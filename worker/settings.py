@@ -190,6 +190,8 @@ class WorkerSettings(_Section):
     revoke_grace_s: Annotated[float, Meta(ge=0)] = 2.0
     # Largest record sluice produces (replies, dead letters); Apache Kafka's default limit is 1 MB.
     max_produce_bytes: Annotated[int, Meta(ge=4096)] = 1_000_000
+    # Audit records (on the topics file's `audit` topic) carry prompt and output text only when this is on.
+    audit_content: bool = False
 
 
 class TenancySettings(_Section):

@@ -98,7 +98,10 @@ class Worker:
         self.emitter = Emitter(producer, catalog.dlq.name, default_reply_topic=catalog.replies.name,
                                outage_s=settings.health.reply_outage_s, max_record_bytes=settings.worker.max_produce_bytes)
         self._stopping = asyncio.Event()
-        self.replies = Replies(self.emitter, self.answers, catalog.replies.name, self.is_running)
+        audit = catalog.audit
+        self.replies = Replies(self.emitter, self.answers, catalog.replies.name, self.is_running,
+                               audit_topic=audit.name if audit is not None else None,
+                               audit_content=settings.worker.audit_content, model=getattr(engine, "fingerprint", ""))
         self._topics = {t.name: t for t in catalog.requests}
         self.scheduler = Scheduler([class_policy(t) for t in catalog.requests], settings.engine.max_num_seqs,
                                    settings.worker.contention_hold_ms)
@@ -112,6 +115,7 @@ class Worker:
                              self.answers, self.liveness, catalog.replies.name, settings.kafka.fetch_max_wait_ms,
                              stopping=lambda: self.supervisor.stopping, redis_wait_s=settings.redis.lookup_wait_s,
                              tenancy=Tenancy.from_settings(settings.tenancy, catalog.replies.name))
+        self.replies.worker_name = self.intake.owner_id
         self.commits = Commits(self.consumer, self.tracker, settings.group.commit_interval_ms / 1000,
                                classes={t.name: t.latency_class for t in catalog.requests})
         metrics.start_series(t.latency_class for t in catalog.requests)

@@ -16,7 +16,7 @@ from worker.worker import Worker
 
 CATALOG = topics.load()
 REPLIES = CATALOG.replies.name
-_NOT_REPLIES = {t.name for t in CATALOG.requests} | {CATALOG.dlq.name}
+_NOT_REPLIES = {t.name for t in CATALOG.requests} | {CATALOG.dlq.name, CATALOG.audit.name}
 _codec = ReplyCodec()
 
 
@@ -62,6 +62,11 @@ class Memory:
 
     def tokens(self) -> list[TokenReply]:
         return [r for r in self.replies() if isinstance(r, TokenReply)]
+
+    def audit(self) -> list:
+        from schemas.audit import decoder
+
+        return [decoder.decode(r.value) for r in self.broker.records(CATALOG.audit.name)]
 
     def dead_letters(self) -> list:
         return self.broker.records(CATALOG.dlq.name)

@@ -39,7 +39,7 @@ class _Running:
         """Records that ended so far: final replies on any topic, dead letters (read incrementally), and
         runs fenced by a later record with the same id (that one answers the id)."""
         for tp, log in list(self.mem.broker.logs.items()):
-            if tp.topic in REQUEST_TOPICS:
+            if tp.topic in REQUEST_TOPICS or tp.topic == CATALOG.audit.name:
                 continue
             seen = self.scanned.get(tp, 0)
             for rec in log[seen:]:

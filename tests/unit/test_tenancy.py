@@ -172,3 +172,39 @@ async def test_a_tenant_over_its_in_flight_limit_is_answered_overloaded_while_an
     assert all(isinstance(finals[f"g{i}"][0], DoneReply) for i in range(3)), "the other tenant is served"
     for r in over:  # not stored: publishing the id again runs it
         assert f"acme:{r.id}" not in mem.answers.answers
+
+
+async def test_every_finished_request_has_one_audit_record_without_its_text_by_default(tenants_file):
+    mem = Memory(partitions=1, tenancy_mode="signed", tenancy_tenants_file=tenants_file)
+    mem.send("standard", *signed("acme", SECRET_A, {"id": "au1", "prompt": "secret prompt", "max_tokens": 3}))
+    mem.send("standard", *signed("acme", SECRET_A, {"id": "au1", "prompt": "secret prompt", "max_tokens": 3}))
+    mem.send("standard", *signed("globex", SECRET_B, {"id": "au2", "prompt": "x", "reply_to": "elsewhere"}))
+    mem.send("standard", J({"id": "au3", "prompt": "x"}), b"au3")  # unsigned: dead-lettered
+    async with running(mem):
+        assert await until(mem.all_committed)
+        # the id again once answered: re-sent from the store
+        mem.send("standard", *signed("acme", SECRET_A, {"id": "au1", "prompt": "secret prompt", "max_tokens": 3}))
+        assert await until(mem.all_committed)
+        assert await until(lambda: len(mem.audit()) == 5)
+    by = {(a.id, a.outcome): a for a in mem.audit()}
+    ran = by[("au1", "length")]
+    assert ran.tenant == "acme" and ran.latency_class == "standard" and ran.kind == "generate"
+    assert ran.completion_tokens == 3 and ran.source.offset == 1 and ran.worker and ran.answered_ms > 0
+    assert ran.prompt is None and ran.text is None  # content only with SLUICE_AUDIT_CONTENT
+    # the same id twice in one batch: the later record claims it, the earlier one is superseded
+    assert by[("au1", "superseded")].source.offset == 0
+    assert by[("au1", "duplicate")].source.offset == 4
+    assert by[("au2", "invalid_request")].message.startswith("reply_to")
+    assert by[(None, "invalid_request")].tenant is None  # the unsigned record: no id, no tenant
+    offsets = sorted(a.source.offset for a in mem.audit())
+    assert offsets == [0, 1, 2, 3, 4]  # one per record
+
+
+async def test_audit_content_includes_prompt_and_text_when_enabled():
+    mem = Memory(partitions=1, audit_content=True)
+    mem.send("standard", J({"id": "c1", "prompt": "the prompt", "max_tokens": 2}), b"c1")
+    async with running(mem):
+        assert await until(lambda: len(mem.audit()) == 1)
+    [record] = mem.audit()
+    done = mem.finals()["c1"][0]
+    assert record.prompt == "the prompt" and record.text == done.text and record.tenant == "default"
