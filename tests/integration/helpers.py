@@ -83,3 +83,22 @@ def metric(exposition: str, name: str, **labels) -> float:
         if all(have.get(k) == v for k, v in labels.items()):
             total += float(m.group(2))
     return total
+
+
+async def read_topic(kafka_opts: dict, topic: str, at_least: int, timeout_s: float = 60) -> list:
+    """Every record of `topic` from the beginning, once there are `at_least` (or the time is up)."""
+    from aiokafka import AIOKafkaConsumer
+
+    consumer = AIOKafkaConsumer(topic, **kafka_opts, group_id=None, auto_offset_reset="earliest",
+                                enable_auto_commit=False)
+    await consumer.start()
+    out: list = []
+    try:
+        end = asyncio.get_running_loop().time() + timeout_s
+        while len(out) < at_least and asyncio.get_running_loop().time() < end:
+            got = await consumer.getmany(timeout_ms=500)
+            for records in got.values():
+                out.extend(records)
+        return out
+    finally:
+        await consumer.stop()
