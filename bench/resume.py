@@ -155,12 +155,13 @@ async def main(args) -> None:
           f"store {nbytes / store_s / 1e6:.0f} MB/s (one pipelined round each)")
     print(f"{args.model}: {per_token:.0f} page bytes per token in Redis ({eng.block_size}-token pages, {dtype}); "
           f"{kind} {expected} bytes per token")
-    out = OUT / ("resume.json" if args.model == "smollm2" else f"resume-{args.model}.json")
+    out = Path(args.out) if args.out else OUT / ("resume.json" if args.model == "smollm2" else f"resume-{args.model}.json")
     out.write_text(json.dumps({
         "args": vars(args), "model": str(model_dir), "dtype": dtype, "block_size": eng.block_size,
         "page_bytes_per_token": per_token, "kv_kind": kind, "kv_bytes_per_token": expected, "rows": rows, "median_pages_s": med_pages, "median_recompute_s": med_rec,
         "ratio": med_pages / med_rec, "load_mb_s": nbytes / load_s / 1e6, "store_mb_s": nbytes / store_s / 1e6,
-        "machine": common.machine(), "date": common.today()}, indent=2))
+        "sealed": s.redis.encryption_keys_file is not None, "machine": common.machine(), "date": common.today()},
+        indent=2))
     print(f"wrote {out}")
 
 
@@ -170,4 +171,5 @@ if __name__ == "__main__":
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--prompt-tokens", type=int, default=1000)
     p.add_argument("--generated", type=int, default=64)
+    p.add_argument("--out", help="where to write the JSON (default bench/resume[-MODEL].json)")
     asyncio.run(main(p.parse_args()))
