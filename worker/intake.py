@@ -225,7 +225,11 @@ class Intake:
                 if reply is not None:
                     self.dispatcher.spawn(self.replies.resend(job, reply), cls, job.tp, job.offset)
                 elif limit and self.dispatcher.tenant_in_flight(job.tenant) >= limit:
-                    self.dispatcher.spawn(self.replies.overloaded(job, limit, self.tenancy.retry_after_ms(job.tenant)),
+                    self.dispatcher.spawn(self.replies.overloaded(
+                        job, f"{limit} requests in flight on this worker (its limit)",
+                        self.tenancy.retry_after_ms(job.tenant)), cls, job.tp, job.offset)
+                elif wait_ms := self.tenancy.rates.retry_after_ms(job.tenant):
+                    self.dispatcher.spawn(self.replies.overloaded(job, "used its token rate (tokens_per_s)", wait_ms),
                                           cls, job.tp, job.offset)
                 else:
                     self.dispatcher.add(cls, job)

@@ -42,6 +42,7 @@ class Replies:
         self.running = running  # callable: keep retrying produces while true
         self.audit_topic, self.audit_content = audit_topic, audit_content
         self.worker_name, self.model = worker_name, model
+        self.charge = lambda tenant, tokens: None  # token-rate quotas (worker/quotas.py), set by the worker
 
     async def _audit(self, cls: str, source, request_id: str | None, outcome: str, *, job=None, final=None,
                      message: str | None = None) -> None:
@@ -92,6 +93,8 @@ class Replies:
                 # not stored: a later attempt may answer this id again, so the reader is told
                 final = msgspec.structs.replace(final, unchecked=True)
         await self.emitter.final(job.reply_to, final, self.running)
+        if isinstance(final, DoneReply):
+            self.charge(job.tenant, final.usage.prompt_tokens + final.usage.completion_tokens)
         outcome = final.code.value if isinstance(final, ErrorReply) else final.finish_reason
         await self._audit(cls, self._source(job), job.request.id, outcome, job=job, final=final)
         metrics.requests_completed.labels(cls, outcome).inc()
@@ -122,15 +125,14 @@ class Replies:
         for reply in again:
             await self.emitter.token_durably(job.reply_to, reply, self.running)
 
-    async def overloaded(self, job, limit: int, retry_after_ms: int) -> None:
-        """Over its tenant's in-flight limit: answered `overloaded` at once instead of queueing without bound.
+    async def overloaded(self, job, why: str, retry_after_ms: int) -> None:
+        """Over a limit of its tenant: answered `overloaded` at once instead of queueing without bound.
         Not stored: the same id published again later runs."""
         await self.emitter.final(job.reply_to, ErrorReply(
-            job.request.id, ErrorCode.OVERLOADED,
-            f"tenant {job.tenant!r} has {limit} requests in flight on this worker (its limit); retry later",
+            job.request.id, ErrorCode.OVERLOADED, f"tenant {job.tenant!r} has {why}; retry later",
             retry_after_ms=retry_after_ms), self.running)
         await self._audit(job.latency_class, self._source(job), job.request.id, ErrorCode.OVERLOADED.value, job=job,
-                          message=f"over the tenant's in-flight limit of {limit}")
+                          message=why)
         metrics.requests_completed.labels(job.latency_class, ErrorCode.OVERLOADED.value).inc()
         metrics.tenant_requests.labels(metrics.tenant_label(job.tenant), ErrorCode.OVERLOADED.value).inc()
         log.info("request_overloaded", request_id=job.request.id, cls=job.latency_class, tenant=job.tenant)

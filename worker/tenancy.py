@@ -14,6 +14,7 @@ cache (`cache_salt`), labels its metrics, and picks its limits from the tenants 
     reply_to = "payments\\.replies(\\..+)?"   # full match; absent: `SLUICE_TENANCY_REPLY_TO`
     max_in_flight = 64                        # waiting + running in one worker; 0: no limit
     retry_after_ms = 1000                     # over the limit: `overloaded`, retry after this
+    tokens_per_s = 2000                       # prompt + completion tokens per second on one worker; 0: no limit
     signing_keys = { "2026-12" = "base64 secret" }
 
 A `reply_to` outside the tenant's pattern is refused with an `error` on the default reply topic.
@@ -32,6 +33,7 @@ import msgspec
 from msgspec import Meta, Struct
 
 from schemas.signing import SIGNATURE_HEADER, TENANT_HEADER, header, mac
+from worker.quotas import TenantRates
 
 TenantName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
 
@@ -40,6 +42,7 @@ class TenantPolicy(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     reply_to: str | None = None
     max_in_flight: Annotated[int, Meta(ge=0)] = 0
     retry_after_ms: Annotated[int, Meta(ge=0)] = 1000  # the hint on an `overloaded` reply
+    tokens_per_s: Annotated[float, Meta(ge=0)] = 0  # prompt + completion tokens per second; 0: no limit
     signing_keys: dict[str, str] = {}
 
 
@@ -77,6 +80,7 @@ class Tenancy:
             self._default_pattern = re.compile(reply_to) if reply_to else None
         except re.error as exc:
             raise TenancyError(f"tenancy_reply_to {reply_to!r} is not a regular expression ({exc})") from None
+        self.rates = TenantRates({name: policy.tokens_per_s for name, policy in self.policies.items()})
         if mode == "signed" and not any(self._keys.values()):
             raise TenancyError("tenancy_mode signed needs signing_keys for at least one tenant in the tenants file")
 

@@ -116,6 +116,7 @@ class Worker:
                              stopping=lambda: self.supervisor.stopping, redis_wait_s=settings.redis.lookup_wait_s,
                              tenancy=Tenancy.from_settings(settings.tenancy, catalog.replies.name))
         self.replies.worker_name = self.intake.owner_id
+        self.replies.charge = self.intake.tenancy.rates.charge
         self.commits = Commits(self.consumer, self.tracker, settings.group.commit_interval_ms / 1000,
                                classes={t.name: t.latency_class for t in catalog.requests})
         metrics.start_series(t.latency_class for t in catalog.requests)

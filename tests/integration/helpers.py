@@ -102,3 +102,18 @@ async def read_topic(kafka_opts: dict, topic: str, at_least: int, timeout_s: flo
         return out
     finally:
         await consumer.stop()
+
+
+def delete_pages(settings) -> int:
+    """Remove every KV page under the settings' key prefix (a reference run that must recompute)."""
+    from redis.cluster import RedisCluster
+
+    client = RedisCluster.from_url(settings.redis.url)
+    try:
+        keys = list(client.scan_iter(match=f"{settings.redis.key_prefix}:kv:*", count=1000,
+                                     target_nodes=RedisCluster.PRIMARIES))
+        for key in keys:
+            client.delete(key)
+        return len(keys)
+    finally:
+        client.close()

@@ -4,8 +4,8 @@ A tiny random-weight DeepSeek-V2 model (`sluice model prepare --mla`) runs on vL
 CPU MLA backend, whose KV cache holds one compressed latent per token and layer
 (kv_lora_rank 512 + rope 64) instead of K and V per head. Its pages go to Redis
 and come back on the survivor of a SIGKILL; each text equals an uninterrupted run
-of the same prompt (under another tenant, so no page of the first run is shared,
-and MLA on CPU runs without a local prefix cache); each stored page holds exactly
+of the same prompt (with every stored page removed first, and MLA on CPU runs
+without a local prefix cache); each stored page holds exactly
 the latent bytes of its tokens.
 """
 
@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from tests.integration.helpers import metric
+from tests.integration.helpers import delete_pages, metric
 from tests.integration.kill_resume import assert_one_stream_each, kill_mid_stream
 from worker.model_mla import prepare_mla
 
@@ -34,8 +34,9 @@ async def test_mla_pages_resume_a_killed_stream_unchanged(settings, catalog, tmp
     prompts = {f"mla-{tag}-{k}": prompt(k) for k in range(N)}
 
     async def uninterrupted(send, collect):
-        refs = {f"ref-{rid}": {"prompt": p, "max_tokens": MAX_TOKENS, "tenant": "reference"}
-                for rid, p in prompts.items()}
+        # every page of the first runs removed: the reference recomputes (MLA on CPU keeps no local prefix cache)
+        assert delete_pages(settings) > 0
+        refs = {f"ref-{rid}": {"prompt": p, "max_tokens": MAX_TOKENS} for rid, p in prompts.items()}
         await send(refs)
         return {rid.removeprefix("ref-"): done[0].text for rid, done in (await collect(list(refs))).items()}
 

@@ -77,8 +77,9 @@ async def test_prometheus_scrapes_a_worker_and_the_rules_produce_values(promethe
     requests = [("realtime", {"id": f"p-{uuid.uuid4().hex[:6]}-{i}", "prompt": f"Count to {i}.", "max_tokens": 8})
                 for i in range(4)]
     requests += [("standard", {"id": f"s-{uuid.uuid4().hex[:6]}", "kind": "score", "template": "fraud",
-                               "event": EVENT, "tenant": "payments"})]
-    async with running_worker(settings, catalog, engine, group_id=group_id) as worker:
+                               "event": EVENT})]
+    # the tenant label is the operator's tenant (tenancy single), never what a record says
+    async with running_worker(settings, catalog, engine, group_id=group_id, tenancy_tenant="payments") as worker:
         ops = OpsServer("127.0.0.1", target, worker.health)  # as `sluice worker` serves it (worker/service.py)
         await ops.start()
         await until_value(port, 'up{job="sluice-workers"} == 1')

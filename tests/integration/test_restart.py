@@ -2,6 +2,8 @@
 
 import asyncio
 
+import re
+
 import msgspec
 import pytest
 
@@ -50,7 +52,9 @@ async def test_repeated_id_gets_the_stored_answer(settings, catalog, engine, gro
     other = msgspec.structs.replace(catalog.replies, name=catalog.replies.name + ".again")
     again = msgspec.structs.replace(catalog, topic=[other if t.role == "replies" else t for t in catalog.topic])
     await apply(settings.kafka.options(), again)
-    async with running_worker(settings, catalog, engine, group_id=group_id) as w:
+    # a reply_to other than the default reply topic must be allowed (SLUICE_TENANCY_REPLY_TO)
+    async with running_worker(settings, catalog, engine, group_id=group_id,
+                              tenancy_reply_to=re.escape(other.name)) as w:
         first = await run_burst(settings.kafka.options(), catalog, [("batch", body)], timeout_s=60)
         assert await w.answers.ping(), "Redis Cluster should be reachable in this test"
         await w.answers.flush()  # answers are written in the background
