@@ -26,6 +26,9 @@ class Topic(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     latency_class: Literal["realtime", "standard", "batch"] | None = msgspec.field(default=None, name="class")
     priority: int = 0
     slo_ms: int | None = None
+    # tenancy_mode topic: records of this topic belong to this tenant (a tenant-dedicated topic);
+    # none: a shared topic, whose records belong to SLUICE_TENANCY_TENANT
+    tenant: Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")] | None = None
     # admission and intake policy (request topics; see worker/policy.py)
     max_in_engine: Annotated[int, Meta(ge=1)] = 32
     contended_in_engine: Annotated[int, Meta(ge=1)] = 32
@@ -44,9 +47,13 @@ class Catalog(Struct, frozen=True):
             raise ValueError("topics file needs exactly one `replies` and one `dlq` topic")
         if roles.count("audit") > 1:
             raise ValueError("topics file may have one `audit` topic")
-        classes = [t.latency_class for t in self.topic if t.role == "requests"]
-        if None in classes or len(set(classes)) != len(classes) or not classes:
-            raise ValueError("each request topic needs a distinct `class` (realtime | standard | batch)")
+        keys = [(t.latency_class, t.tenant) for t in self.topic if t.role == "requests"]
+        if not keys or any(cls is None for cls, _ in keys):
+            raise ValueError("each request topic needs a `class` (realtime | standard | batch)")
+        if len(set(keys)) != len(keys):
+            raise ValueError("request topics need a distinct `class` (and `tenant`, for tenant-dedicated topics)")
+        if any(t.tenant is not None for t in self.topic if t.role != "requests"):
+            raise ValueError("only request topics name a `tenant`")
 
     @property
     def requests(self) -> list[Topic]:
@@ -68,8 +75,15 @@ class Catalog(Struct, frozen=True):
     def by_name(self, name: str) -> Topic | None:
         return next((t for t in self.topic if t.name == name), None)
 
-    def request_topic(self, latency_class: str) -> Topic:
-        return next(t for t in self.requests if t.latency_class == latency_class)
+    def request_topic(self, latency_class: str, tenant: str | None = None) -> Topic:
+        """The class's shared request topic, or the topic dedicated to `tenant` (falls back to the shared one)."""
+        mine = [t for t in self.requests if t.latency_class == latency_class]
+        own = next((t for t in mine if tenant is not None and t.tenant == tenant), None)
+        return own or next((t for t in mine if t.tenant is None), mine[0])
+
+    def topic_tenants(self) -> dict[str, str]:
+        """Tenant-dedicated request topics: topic name -> tenant."""
+        return {t.name: t.tenant for t in self.requests if t.tenant is not None}
 
     def serving(self, classes) -> "Catalog":
         """The catalog a worker of a class-dedicated pool consumes: these request topics, the same replies and DLQ."""

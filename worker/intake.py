@@ -37,6 +37,11 @@ MAX_REJECTS_IN_FLIGHT = 256
 UNPARSEABLE = (UnicodeDecodeError, CorruptRecordException)
 
 
+def loop_name(topic: Topic) -> str:
+    """An intake loop's name (liveness, pauses, its task): the class, plus the tenant of a tenant-dedicated topic."""
+    return topic.latency_class if topic.tenant is None else f"{topic.latency_class}/{topic.tenant}"
+
+
 class RecordRef:
     """A record known by its coordinates only: one the client could not parse (`error` set), or a
     job's record when a rejection has no record object at hand."""
@@ -64,16 +69,18 @@ class Intake:
         # attempt tokens: unique per job run, across processes and restarts
         self.owner_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._attempts = itertools.count()
-        self.paused: dict[str, bool] = {}
+        self.paused: dict[str, bool] = {}  # by loop name (worker/intake.py: loop_name)
+        self._paused_count: dict[str, int] = {}
 
     async def run(self, topic: Topic, policy) -> None:
-        """The loop of one class; it ends only when the worker stops (an exception here is a worker failure)."""
-        cls = topic.latency_class
-        self.paused.setdefault(cls, False)
+        """The loop of one request topic; it ends only when the worker stops (an exception here is a
+        worker failure). A class's shared topic and its tenant-dedicated topics share its queue."""
+        cls, loop = topic.latency_class, loop_name(topic)
+        self.paused.setdefault(loop, False)
         while not self.stopping():
             tps = [tp for tp in self.consumer.assignment() if tp.topic == topic.name]
-            if not tps or not self._backpressure(cls, tps) or self.dispatcher.rejects >= MAX_REJECTS_IN_FLIGHT:
-                self.liveness.polled(cls)
+            if not tps or not self._backpressure(cls, loop, tps) or self.dispatcher.rejects >= MAX_REJECTS_IN_FLIGHT:
+                self.liveness.polled(loop)
                 await asyncio.sleep(self.poll_ms / 1000)
                 continue
             room = max(1, min(policy.batch_size, policy.max_waiting - self.dispatcher.scheduler.waiting(cls)))
@@ -83,10 +90,10 @@ class Intake:
             except KafkaError as exc:
                 # Not stamped as a poll: a fetch that keeps failing trips the intake stall check.
                 metrics.intake_errors.labels(cls, "fetch").inc()
-                log.warning("fetch_failed", cls=cls, error=repr(exc), retriable=exc.retriable)
+                log.warning("fetch_failed", cls=cls, topic=topic.name, error=repr(exc), retriable=exc.retriable)
                 await asyncio.sleep(0.5)
                 continue
-            self.liveness.polled(cls)
+            self.liveness.polled(loop)
             # A rebalance during the fetch: what was read from a revoked partition is the new owner's.
             # If the partition came straight back, the fetch may have read on from the committed offset
             # it restarted at: go back there, or those records would be skipped.
@@ -97,7 +104,7 @@ class Intake:
             jobs = [job for tp, records in got.items() for record in records
                     if (job := self.take(topic, tp, record)) is not None]
             if jobs:
-                await self._schedule(cls, jobs, generations)
+                await self._schedule(cls, jobs, generations, loop)
 
     async def _fetch(self, tps, room: int, window_ms: int) -> dict:
         got: dict = {}
@@ -169,10 +176,12 @@ class Intake:
                 self.dispatcher.spawn(self.replies.unreadable(cls, record), cls, tp, record.offset)
                 return None
             request = self.codec.decode(record.value, record.headers, record.key)
-            tenant = self.tenancy.tenant_of(record, request)
+            tenant = self.tenancy.tenant_of(record, request, topic)
             refused = self.tenancy.reply_to_refused(tenant, request.reply_to)
             if refused is not None:  # answered on the default reply topic, never on the refused one
-                raise BadRequest(ErrorCode.INVALID_REQUEST, refused, request.id)
+                bad = BadRequest(ErrorCode.INVALID_REQUEST, refused, request.id)
+                bad.tenant = tenant  # for the audit trail
+                raise bad
             return Job(request, cls, topic.priority, request.reply_to or self.default_reply_topic,
                        tp, record.offset, record.timestamp, tenant=tenant)
         except Unauthenticated as exc:
@@ -200,7 +209,7 @@ class Intake:
         self.dispatcher.spawn(self.replies.reject(cls, record, bad), cls, tp, record.offset,
                               on_done=self.dispatcher.reject_done)
 
-    async def _schedule(self, cls: str, jobs: list[Job], generations: dict) -> None:
+    async def _schedule(self, cls: str, jobs: list[Job], generations: dict, loop: str | None = None) -> None:
         """Stored answers are re-sent; progress left by a dead owner rides along; the rest wait for admission."""
         owners = [f"{self.owner_id}#{next(self._attempts)}" for _ in jobs]
         ids, streamed = [job.state_id for job in jobs], [job.request.stream for job in jobs]
@@ -209,7 +218,7 @@ class Intake:
         # may have been answered already; past the wait they run unchecked, and their replies say so.
         give_up = time.monotonic() + self.redis_wait_s
         while not self.answers.available and time.monotonic() < give_up and not self.stopping():
-            self.liveness.polled(cls)
+            self.liveness.polled(loop or cls)
             await asyncio.sleep(0.25)
             stored = await self.answers.lookup_many(ids, streamed, owners)
         claimed = self.answers.available  # the claims went through: these attempts can be fenced
@@ -243,18 +252,20 @@ class Intake:
         metrics.waiting.labels(cls).set(self.dispatcher.scheduler.waiting(cls))
         self.dispatcher.wake.set()
 
-    def _backpressure(self, cls: str, tps) -> bool:
-        """Pause the class's partitions while its waiting queue is full; True when reading."""
+    def _backpressure(self, cls: str, loop: str, tps) -> bool:
+        """Pause this loop's partitions while its class's waiting queue is full; True when reading."""
         scheduler = self.dispatcher.scheduler
         if scheduler.should_pause(cls):
-            if not self.paused[cls]:
-                log.info("partitions_paused", cls=cls, waiting=scheduler.waiting(cls))
-            self.paused[cls] = True
-        elif self.paused[cls] and scheduler.should_resume(cls):
-            self.paused[cls] = False
+            if not self.paused[loop]:
+                log.info("partitions_paused", cls=cls, loop=loop, waiting=scheduler.waiting(cls))
+            self.paused[loop] = True
+        elif self.paused[loop] and scheduler.should_resume(cls):
+            self.paused[loop] = False
             self.consumer.resume(*tps)
-            log.info("partitions_resumed", cls=cls, waiting=scheduler.waiting(cls))
-        if self.paused[cls]:
+            log.info("partitions_resumed", cls=cls, loop=loop, waiting=scheduler.waiting(cls))
+        if self.paused[loop]:
             self.consumer.pause(*tps)  # again each time: a rebalance may have added partitions
-        metrics.paused_partitions.labels(cls).set(len(tps) if self.paused[cls] else 0)
-        return not self.paused[cls]
+        self._paused_count[loop] = len(tps) if self.paused[loop] else 0
+        metrics.paused_partitions.labels(cls).set(
+            sum(n for name, n in self._paused_count.items() if name.split("/")[0] == cls))
+        return not self.paused[loop]

@@ -45,7 +45,7 @@ class Replies:
         self.charge = lambda tenant, tokens: None  # token-rate quotas (worker/quotas.py), set by the worker
 
     async def _audit(self, cls: str, source, request_id: str | None, outcome: str, *, job=None, final=None,
-                     message: str | None = None) -> None:
+                     message: str | None = None, tenant: str | None = None) -> None:
         """The request's audit record, produced before its offset can be committed (no-op without an audit topic)."""
         if self.audit_topic is None:
             return
@@ -57,7 +57,7 @@ class Replies:
             prompt = req.prompt if req.prompt is not None else msgspec.json.encode(
                 req.messages if req.messages is not None else req.event).decode()
         record = AuditRecord(
-            id=request_id, tenant=job.tenant if job is not None else None, latency_class=cls, outcome=outcome,
+            id=request_id, tenant=job.tenant if job is not None else tenant, latency_class=cls, outcome=outcome,
             source=AuditSource(source.topic, source.partition, source.offset), worker=self.worker_name,
             model=self.model, kind=req.kind if req is not None else None,
             finish_reason=done.finish_reason if done else None, scores=done.scores if done else None,
@@ -168,7 +168,7 @@ class Replies:
             await self.emitter.dead_letter(record, bad.code.value, bad.message, self.running)
             route = "dlq"
         metrics.bad_records.labels(bad.code.value, route).inc()
-        await self._audit(cls, record, bad.id, bad.code.value, message=bad.message)
+        await self._audit(cls, record, bad.id, bad.code.value, message=bad.message, tenant=getattr(bad, "tenant", None))
         log.info("bad_record", code=bad.code.value, route=route, cls=cls, topic=record.topic,
                  partition=record.partition, offset=record.offset, request_id=bad.id, reason=bad.message)
 

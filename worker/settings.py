@@ -195,9 +195,10 @@ class WorkerSettings(_Section):
 
 
 class TenancySettings(_Section):
-    # Who a request belongs to (worker/tenancy.py): `single` - every request is `tenant`'s;
+    # Who a request belongs to (worker/tenancy.py): `single` - every request is `tenant`'s; `topic` -
+    # the tenant of the tenant-dedicated request topic it came from (shared topics: `tenant`);
     # `signed` - records carry a tenant header and an HMAC under that tenant's key.
-    mode: Literal["single", "signed"] = "single"
+    mode: Literal["single", "topic", "signed"] = "single"
     tenant: Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")] = "default"
     tenants_file: str | None = None  # TOML: per-tenant signing keys, reply_to pattern, in-flight limit
     # Reply topics (full-match regex) a tenant without its own `reply_to` may name; "" allows only

@@ -2,6 +2,9 @@
 
 Modes (`SLUICE_TENANCY_MODE`):
 - `single`: every request belongs to `SLUICE_TENANCY_TENANT`; the record's `tenant` field is ignored.
+- `topic`: a record belongs to the tenant its request topic is dedicated to (`tenant = "..."` on a
+  topic in the topics file; the broker's ACLs decide who may write it); records of a shared topic
+  belong to `SLUICE_TENANCY_TENANT`. The record's `tenant` field is ignored.
 - `signed`: each record carries `x-sluice-tenant` and `x-sluice-signature` (`schemas/signing.py`),
   an HMAC under one of that tenant's keys from the tenants file. A record without them, naming an
   unknown tenant or key, or whose MAC does not verify, is dead-lettered: its `reply_to` is not
@@ -97,10 +100,12 @@ class Tenancy:
                 raise TenancyError(f"tenants file {path}: {exc}") from None
         return cls(settings.mode, settings.tenant, tenants, default_reply_topic, settings.reply_to)
 
-    def tenant_of(self, record, request) -> str:
+    def tenant_of(self, record, request, topic=None) -> str:
         """The authenticated tenant of a decoded record, or `Unauthenticated` naming why not."""
         if self.mode == "single":
             return self.single
+        if self.mode == "topic":  # who may write a topic is the broker's ACLs' business
+            return getattr(topic, "tenant", None) or self.single
         claimed = header(record.headers, TENANT_HEADER)
         signature = header(record.headers, SIGNATURE_HEADER)
         if claimed is None or signature is None:

@@ -30,7 +30,7 @@ from worker.commits import Commits
 from worker.dispatch import Dispatcher
 from worker.emitter import Emitter, kafka_producer
 from worker.engine import Engine
-from worker.intake import Intake
+from worker.intake import Intake, loop_name
 from worker.offsets import OffsetTracker
 from worker.policy import ClassPolicy, Scheduler
 from worker.replies import Replies
@@ -93,7 +93,7 @@ class Worker:
             settings.kafka.request_timeout_ms)
         self.answers = answers if answers is not None else answer_store(settings)
         self.supervisor = Supervisor()
-        self.liveness = Liveness([t.latency_class for t in catalog.requests])
+        self.liveness = Liveness([loop_name(t) for t in catalog.requests])
         self.tracker = OffsetTracker()
         self.emitter = Emitter(producer, catalog.dlq.name, default_reply_topic=catalog.replies.name,
                                outage_s=settings.health.reply_outage_s, max_record_bytes=settings.worker.max_produce_bytes)
@@ -103,7 +103,9 @@ class Worker:
                                audit_topic=audit.name if audit is not None else None,
                                audit_content=settings.worker.audit_content, model=getattr(engine, "fingerprint", ""))
         self._topics = {t.name: t for t in catalog.requests}
-        self.scheduler = Scheduler([class_policy(t) for t in catalog.requests], settings.engine.max_num_seqs,
+        # one queue and admission policy per class: its shared topic's (tenant-dedicated topics join it)
+        self.scheduler = Scheduler([class_policy(catalog.request_topic(c)) for c in dict.fromkeys(
+                                    t.latency_class for t in catalog.requests)], settings.engine.max_num_seqs,
                                    settings.worker.contention_hold_ms)
         self.dispatch = Dispatcher(self.scheduler, self.tracker, self.supervisor, self.liveness)
         self.runner = Runner(engine, self.emitter, self.answers, settings.limits, self.is_running,
@@ -127,7 +129,12 @@ class Worker:
 
     @property
     def paused(self) -> dict[str, bool]:
-        return self.intake.paused
+        """By class: true while any of its request topics is paused."""
+        out: dict[str, bool] = {}
+        for loop, paused in self.intake.paused.items():
+            cls = loop.split("/")[0]
+            out[cls] = out.get(cls, False) or paused
+        return out
 
     @property
     def ready(self) -> bool:
@@ -148,7 +155,7 @@ class Worker:
         sup.watch("answer-writer", getattr(self.answers, "writer", None))
         sup.watch("producer", self.emitter.background_task())
         for t in self.catalog.requests:
-            sup.spawn(f"intake-{t.latency_class}", self.intake.run(t, class_policy(t)))
+            sup.spawn(f"intake-{loop_name(t)}", self.intake.run(t, class_policy(t)))
         sup.spawn("dispatch", self.dispatch.run())
         sup.spawn("commits", self.commits.run())
         sup.spawn("monitor", monitor(sup, self.liveness, self.engine, self.dispatch.busy, self.emitter,

@@ -208,3 +208,43 @@ async def test_audit_content_includes_prompt_and_text_when_enabled():
     [record] = mem.audit()
     done = mem.finals()["c1"][0]
     assert record.prompt == "the prompt" and record.text == done.text and record.tenant == "default"
+
+
+async def test_topic_mode_takes_the_tenant_from_a_dedicated_topic(tenants_file):
+    from topics import Catalog, Topic
+    from worker.worker import Worker
+
+    dedicated = Topic(name="acme.requests.realtime", role="requests", partitions=1, latency_class="realtime",
+                      tenant="acme")
+    catalog = Catalog(CATALOG.topic + [dedicated])
+    assert catalog.request_topic("realtime").tenant is None and catalog.request_topic("realtime", "acme") == dedicated
+    mem = Memory(partitions=1, tenancy_mode="topic", tenancy_tenants_file=tenants_file)
+    shared = CATALOG.request_topic("realtime").name
+    body = {"id": "same", "prompt": "x", "max_tokens": 2, "tenant": "acme", "reply_to": "acme.replies"}
+    mem.broker.append(dedicated.name, J(body), b"same")  # acme's topic: acme's reply_to is allowed
+    mem.broker.append(shared, J(body), b"same")  # the shared topic: the default tenant, whatever the field says
+    w = Worker(mem.settings, catalog, mem.engine, **mem.clients())
+    await w.start()
+    try:
+        assert await until(lambda: len(mem.audit()) == 2)
+        assert set(w.liveness.polls) == {"realtime", "realtime/acme", "standard", "batch"}
+        assert set(w.paused) == {"realtime", "standard", "batch"}
+    finally:
+        await w.stop(grace_s=1)
+    by_tenant = {a.tenant: a for a in mem.audit()}
+    assert by_tenant["acme"].outcome == "length" and by_tenant["acme"].source.topic == dedicated.name
+    assert by_tenant["default"].outcome == "invalid_request"  # acme.replies is not the default tenant's
+    assert "acme:same" in mem.answers.answers and "default:same" not in mem.answers.answers
+    assert isinstance(mem.finals()["same"][0], ErrorReply)  # the refusal, on the default reply topic
+    assert any(b'"type":"done"' in r.value for r in mem.broker.records("acme.replies"))
+
+
+def test_a_catalog_names_each_class_and_tenant_once():
+    from topics import Catalog, Topic
+
+    twice = Topic(name="x.realtime", role="requests", partitions=1, latency_class="realtime")
+    with pytest.raises(ValueError, match="distinct"):
+        Catalog(CATALOG.topic + [twice])
+    with pytest.raises(ValueError, match="only request topics"):
+        Catalog([t for t in CATALOG.topic if t.role != "audit"]
+                + [Topic(name="x.audit", role="audit", partitions=1, tenant="acme")])
