@@ -18,7 +18,10 @@ from schemas import DoneReply, ErrorReply, TokenReply
 
 
 async def run(kafka_opts: dict, catalog, workload: Workload, drain_s: float = 120.0,
-              show_progress: bool = True) -> list[Timing]:
+              show_progress: bool = True, signer=None) -> list[Timing]:
+    """`signer` (schemas.signing.Signer): the tenant's identity - its dedicated topics (tenancy_mode
+    topic) and, with a key, signed records (tenancy_mode signed)."""
+    tenant = signer.tenant if signer is not None else None
     plan = workload.requests(prefix=f"lg{uuid.uuid4().hex[:6]}")
     timings = {body["id"]: Timing(cls, 0.0, None, None, None) for _, cls, body in plan}
     reader = ReplyReader(kafka_opts, catalog.replies.name)
@@ -32,8 +35,9 @@ async def run(kafka_opts: dict, catalog, workload: Workload, drain_s: float = 12
         for at, cls, body in plan:
             await asyncio.sleep(max(0.0, start + at - time.monotonic()))  # open loop: never waits for replies
             timings[body["id"]].sent = time.monotonic()
-            await producer.send(catalog.request_topic(cls).name, msgspec.json.encode(body),
-                                key=body["id"].encode())
+            key, value = body["id"].encode(), msgspec.json.encode(body)
+            await producer.send(catalog.request_topic(cls, tenant).name, value, key=key,
+                                headers=signer.headers(key, value) if signer is not None else [])
 
     try:
         sender = asyncio.create_task(publish())

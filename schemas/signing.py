@@ -30,6 +30,35 @@ def signed_headers(tenant: str, key_id: str, secret: bytes, key: bytes | None, v
             (SIGNATURE_HEADER, f"{key_id}:{mac(secret, tenant, key, value)}".encode())]
 
 
+class Signer:
+    """A producer's identity: `tenant`, and (tenancy_mode signed) one of its keys. Without a key it
+    signs nothing (single and topic modes); `headers(key, value)` gives each record's headers."""
+
+    def __init__(self, tenant: str | None = None, key_id: str | None = None, secret: bytes | None = None):
+        self.tenant, self.key_id, self.secret = tenant, key_id, secret
+
+    @classmethod
+    def from_key_file(cls, tenant: str | None, key_file: str | None, key_id: str = "k1") -> "Signer":
+        """`key_file` holds the tenant's key in base64 (what the tenants file has for it)."""
+        import base64
+        from pathlib import Path
+
+        if key_file is None:
+            return cls(tenant)
+        if tenant is None:
+            raise ValueError("a signing key needs --tenant")
+        try:
+            secret = base64.b64decode(Path(key_file).read_text().strip(), validate=True)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"signing key file {key_file}: {type(exc).__name__}") from None
+        return cls(tenant, key_id, secret)
+
+    def headers(self, key: bytes | None, value: bytes) -> list[tuple[str, bytes]]:
+        if self.secret is None:
+            return []
+        return signed_headers(self.tenant, self.key_id, self.secret, key, value)
+
+
 def header(headers, name: str) -> bytes | None:
     """The value of the first header called `name` (case-insensitive); odd headers are skipped."""
     for k, v in headers or ():

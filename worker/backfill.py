@@ -107,11 +107,12 @@ def result_from_reply(reply, event_id: str, source: str, p: int, o: int, templat
 
 class Backfill:
     def __init__(self, settings, catalog, job: Job, state_dir: str | Path = ".sluice/backfill",
-                 max_in_flight: int = 512, latency_class: str = "batch", progress=None, log=print):
+                 max_in_flight: int = 512, latency_class: str = "batch", progress=None, log=print, signer=None):
         self.s, self.catalog, self.job = settings, catalog, job
         self.path = Path(state_dir) / f"{job.id}.json"
         self.max_in_flight = max_in_flight
-        self.request_topic = catalog.request_topic(latency_class).name
+        self.signer = signer  # schemas.signing.Signer: the tenant's topic and signed records
+        self.request_topic = catalog.request_topic(latency_class, signer.tenant if signer else None).name
         self.progress = progress  # callable(total, initial) -> object with update(n) and close(), or None
         self.log = log
         self.stop = asyncio.Event()
@@ -336,7 +337,9 @@ class Backfill:
                 "max_tokens": self.job.max_tokens, "reply_to": self.catalog.replies.name}
         if self.job.labels:
             body["labels"] = list(self.job.labels)
-        await producer.send(self.request_topic, self._enc.encode(body), key=rid.encode())
+        value = self._enc.encode(body)
+        await producer.send(self.request_topic, value, key=rid.encode(),
+                            headers=self.signer.headers(rid.encode(), value) if self.signer else [])
 
 
 def add_to(cp: Checkpoint, res: BackfillResult) -> None:

@@ -93,6 +93,16 @@ def cmd_topics(args) -> int:
     return 1 if drift else 0
 
 
+def cmd_keys(args) -> int:
+    """A fresh random key, base64: an encryption key (the keys file) or a tenant's signing key."""
+    from worker.sealing import CIPHERS, new_key
+
+    print(new_key(args.cipher) if args.kind == "encryption" else new_key("aes-256-gcm"))
+    if args.kind == "encryption":
+        print(f"# {args.cipher}, {CIPHERS[args.cipher][1]} bytes: add it under [keys] in the keys file", file=sys.stderr)
+    return 0
+
+
 def cmd_schemas(args) -> int:
     from schemas.asyncapi import document, json_schemas
 
@@ -128,6 +138,22 @@ def cmd_worker(args) -> int:
     return run_loop(run_worker(settings, catalog))
 
 
+def _signer(args):
+    from schemas.signing import Signer
+
+    try:
+        return Signer.from_key_file(args.tenant, args.signing_key_file, args.key_id)
+    except ValueError as exc:
+        sys.exit(f"sluice: {exc}")
+
+
+def _tenant_args(p) -> None:
+    p.add_argument("--tenant", help="publish as this tenant: its dedicated request topics (tenancy_mode topic)")
+    p.add_argument("--signing-key-file", help="sign records with this tenant key (base64 in the file; "
+                   "tenancy_mode signed)")
+    p.add_argument("--key-id", default="k1", help="the key's id in the tenants file")
+
+
 def cmd_loadgen(args) -> int:
     from loadgen.run import run, write_reports
     from loadgen.workload import Workload, parse_mix
@@ -139,7 +165,7 @@ def cmd_loadgen(args) -> int:
                             max_tokens=(args.min_tokens, args.max_tokens), seed=args.seed)
     except ValueError as exc:
         sys.exit(f"sluice loadgen: {exc}")
-    timings = asyncio.run(run(settings.kafka.options(), catalog, workload))
+    timings = asyncio.run(run(settings.kafka.options(), catalog, workload, signer=_signer(args)))
     write_reports(timings, workload, Path(args.out))
     print((Path(args.out) / "loadgen.md").read_text())
     print(f"wrote {args.out}/loadgen.json, loadgen.png, loadgen.md")
@@ -171,7 +197,7 @@ def cmd_backfill(args) -> int:
 
     async def go():
         bf = Backfill(settings, catalog, job, state_dir=args.state_dir, max_in_flight=args.max_in_flight,
-                      latency_class=args.latency_class, progress=progress)
+                      latency_class=args.latency_class, progress=progress, signer=_signer(args))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, bf.stop.set)
@@ -267,6 +293,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="asyncapi: write here instead of stdout")
     p.set_defaults(fn=cmd_schemas)
 
+    p = sub.add_parser("keys", help="print a new random key (base64): for the encryption keys file or a tenant")
+    p.add_argument("kind", choices=["encryption", "signing"])
+    p.add_argument("--cipher", choices=["aes-256-gcm", "sm4-gcm"], default="aes-256-gcm")
+    p.set_defaults(fn=cmd_keys)
+
     p = sub.add_parser("worker", help="run a worker")
     p.set_defaults(fn=cmd_worker)
 
@@ -279,6 +310,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--out", default="out/loadgen")
+    _tenant_args(p)
     p.set_defaults(fn=cmd_loadgen)
 
     p = sub.add_parser("backfill", help="score a topic range through the batch class; resumable, one result per event")
@@ -294,6 +326,7 @@ def main(argv=None) -> int:
     p.add_argument("--state-dir", default=".sluice/backfill", help="where checkpoints live")
     p.add_argument("--max-in-flight", type=int, default=512)
     p.add_argument("--class", dest="latency_class", default="batch", choices=["realtime", "standard", "batch"])
+    _tenant_args(p)
     p.set_defaults(fn=cmd_backfill)
 
     p = sub.add_parser("chaos", help="seeded workload, fuzzed records and faults against worker processes; audited")

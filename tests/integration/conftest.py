@@ -48,7 +48,7 @@ async def engine(settings):
 
 @pytest.fixture
 async def catalog(settings):
-    """A fresh set of the five topics, so tests never read each other's records."""
+    """A fresh set of the catalog's topics, so tests never read each other's records."""
     cat = topics.load().renamed(f"t{uuid.uuid4().hex[:8]}.")
     await apply(settings.kafka.options(), cat)
     return cat

@@ -248,3 +248,20 @@ def test_a_catalog_names_each_class_and_tenant_once():
     with pytest.raises(ValueError, match="only request topics"):
         Catalog([t for t in CATALOG.topic if t.role != "audit"]
                 + [Topic(name="x.audit", role="audit", partitions=1, tenant="acme")])
+
+
+def test_a_producer_signer_from_a_key_file_makes_records_the_worker_verifies(tenants_file, tmp_path):
+    from schemas.signing import Signer
+
+    key_file = tmp_path / "acme.key"
+    key_file.write_text(base64.b64encode(SECRET_A).decode() + "\n")
+    signer = Signer.from_key_file("acme", str(key_file), "k1")
+    value = J({"id": "s1", "prompt": "x"})
+    assert tenancy(tenants_file).tenant_of(record(value, b"s1", signer.headers(b"s1", value)),
+                                           Request(id="s1")) == "acme"
+    assert Signer.from_key_file("acme", None).headers(b"s1", value) == []  # topic and single modes sign nothing
+    with pytest.raises(ValueError, match="needs --tenant"):
+        Signer.from_key_file(None, str(key_file))
+    key_file.write_text("not base64!")
+    with pytest.raises(ValueError, match="signing key file"):
+        Signer.from_key_file("acme", str(key_file))
