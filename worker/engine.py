@@ -85,7 +85,14 @@ def engine_args(config, dtype: str) -> dict:
         args["quantization"] = config.quantization
     if config.max_num_batched_tokens is not None:
         args["max_num_batched_tokens"] = config.max_num_batched_tokens
+    if config.compile_mode == "eager":
+        args["enforce_eager"] = True
     return args
+
+
+def compile_env(config) -> dict[str, str]:
+    """Environment for the engine's processes (they inherit it when spawned)."""
+    return {"VLLM_USE_AOT_COMPILE": "0"} if config.compile_mode == "graph-cache" else {}
 
 
 def model_fingerprint(model: str, dtype: str, kv_cache_dtype: str = "auto") -> str:
@@ -187,6 +194,7 @@ class VllmEngine:
                                            kv_role="kv_both", kv_load_failure_policy="recompute",
                                            kv_connector_extra_config=extra)
         self.kv_enabled = kv_transfer is not None
+        os.environ.update(compile_env(config))  # read by vLLM in this process and the engine core it spawns
         args = AsyncEngineArgs(**engine_args(config, dtype), kv_transfer_config=kv_transfer)
         self._guard = EngineGuard()
         self._guard.before()

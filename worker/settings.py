@@ -155,6 +155,10 @@ class EngineSettings(_Section):
     quantization: Annotated[str, Meta(pattern=r"^[a-z0-9_-]+$")] | None = None  # awq, gptq, fp8, ... (vLLM's names)
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     max_num_batched_tokens: Positive | None = None  # None: vLLM's default for the device
+    # How the model is compiled at start-up: `auto` is vLLM's default (torch.compile with its AOT
+    # cache); `graph-cache` turns the AOT cache off for vLLM's per-graph compile cache; `eager` skips
+    # compilation (fastest start, slower steps). See bench/cold_start.py.
+    compile_mode: Literal["auto", "graph-cache", "eager"] = "auto"
 
 
 class StreamSettings(_Section):

@@ -1,0 +1,95 @@
+"""Worker cold start: engine construction to first token, first start and restart, per compile mode.
+
+    python bench/cold_start.py [--modes auto,graph-cache,eager]
+
+For each `SLUICE_COMPILE_MODE`, two engine starts in fresh processes with one compile cache
+(`VLLM_CACHE_ROOT`, empty before the first): the first start compiles, the restart may load
+what the first one cached. Each start is timed from the process's start to the end of a
+one-token generation, and its log is searched for whether vLLM loaded its compile cache or
+compiled again (and why). Then one short greedy generation per mode is compared with the
+`auto` mode's, so a mode that changes outputs is caught. Writes bench/cold_start.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import common  # noqa: E402
+
+OUT = Path(__file__).resolve().parent
+CHILD = """
+import asyncio, json, sys, time
+t0 = float(sys.argv[1])
+from bench import common
+from worker.engine import GenParams
+async def main():
+    s = common.settings()
+    eng = await common.engine(s)
+    text = []
+    async for d in eng.generate("cold", eng._tokenizer.encode("The capital of France is"), GenParams(12), 0):
+        text.append(d.text)
+    ready = time.time() - t0
+    eng.shutdown()
+    print("RESULT " + json.dumps({"ready_s": ready, "text": "".join(text)}), flush=True)
+asyncio.run(main())
+"""
+
+
+def start(mode: str, cache: Path) -> dict:
+    env = {**os.environ, "SLUICE_COMPILE_MODE": mode, "VLLM_CACHE_ROOT": str(cache),
+           "PYTHONPATH": str(OUT.parent)}
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(t0)], env=env, capture_output=True, text=True,
+                          timeout=900, cwd=OUT.parent)
+    log = proc.stdout + proc.stderr
+    line = next((x for x in log.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"{mode}: the engine did not start:\n{log[-2000:]}")
+    result = json.loads(line.removeprefix("RESULT "))
+    again = re.search(r"Compiling model again due to a load failure.*reason: (.*)", log)
+    result.update(loaded_aot="Directly load AOT compilation" in log,
+                  loaded_graph=bool(re.search(r"[Dd]irectly load the compiled graph|from the cache", log)),
+                  recompiled_because=again.group(1)[:200] if again else None,
+                  compiled=bool(re.search(r"torch.compile takes|Compiling a graph", log)))
+    return result
+
+
+def main(args) -> None:
+    modes = args.modes.split(",")
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in tqdm(modes, desc="modes", unit="mode"):
+            cache = Path(tmp) / mode
+            rows[mode] = {"first": start(mode, cache), "restart": start(mode, cache)}
+    print(f"\n{common.machine()}; {common.today()}; rev {common.git_rev()}")
+    print(f"{'mode':12s} {'first s':>8s} {'restart s':>9s}  restart loaded the cache?")
+    for mode, r in rows.items():
+        first, again = r["first"], r["restart"]
+        why = ("AOT artifact" if again["loaded_aot"] else "graph cache" if again["loaded_graph"] else
+               f"no: {again['recompiled_because']}" if again["recompiled_because"] else "nothing to load"
+               if mode == "eager" else "no")
+        print(f"{mode:12s} {first['ready_s']:8.1f} {again['ready_s']:9.1f}  {why}")
+    reference = rows.get("auto", next(iter(rows.values())))["first"]["text"]
+    for mode, r in rows.items():
+        same = r["first"]["text"] == reference == r["restart"]["text"]
+        print(f"{mode}: greedy text {'equals' if same else 'DIFFERS from'} auto's")
+    (OUT / "cold_start.json").write_text(json.dumps({"rows": rows, "machine": common.machine(),
+                                                    "date": common.today(), "rev": common.git_rev()}, indent=2))
+    print(f"wrote {OUT / 'cold_start.json'}")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default="auto,graph-cache,eager")
+    main(p.parse_args())
