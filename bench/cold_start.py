@@ -6,7 +6,7 @@ For each `SLUICE_COMPILE_MODE`, two engine starts in fresh processes with one co
 (`VLLM_CACHE_ROOT`, empty before the first): the first start compiles, the restart may load
 what the first one cached. Each start is timed from the process's start to the end of a
 one-token generation, and its log is searched for whether vLLM loaded its compile cache or
-compiled again (and why). Then one short greedy generation per mode is compared with the
+compiled again because its cache failed to load (and why). Then one short greedy generation per mode is compared with the
 `auto` mode's, so a mode that changes outputs is caught. Writes bench/cold_start.json.
 """
 
@@ -58,10 +58,8 @@ def start(mode: str, cache: Path) -> dict:
         raise RuntimeError(f"{mode}: the engine did not start:\n{log[-2000:]}")
     result = json.loads(line.removeprefix("RESULT "))
     again = re.search(r"Compiling model again due to a load failure.*reason: (.*)", log)
-    result.update(loaded_aot="Directly load AOT compilation" in log,
-                  loaded_graph=bool(re.search(r"[Dd]irectly load the compiled graph|from the cache", log)),
-                  recompiled_because=again.group(1)[:200] if again else None,
-                  compiled=bool(re.search(r"torch.compile takes|Compiling a graph", log)))
+    # vLLM's info lines are off at the bench's log level; its warning about a cache it could not load is not
+    result.update(recompiled_because=again.group(1)[:200] if again else None)
     return result
 
 
@@ -73,12 +71,11 @@ def main(args) -> None:
             cache = Path(tmp) / mode
             rows[mode] = {"first": start(mode, cache), "restart": start(mode, cache)}
     print(f"\n{common.machine()}; {common.today()}; rev {common.git_rev()}")
-    print(f"{'mode':12s} {'first s':>8s} {'restart s':>9s}  restart loaded the cache?")
+    print(f"{'mode':12s} {'first s':>8s} {'restart s':>9s}  restart: vLLM's compile cache")
     for mode, r in rows.items():
         first, again = r["first"], r["restart"]
-        why = ("AOT artifact" if again["loaded_aot"] else "graph cache" if again["loaded_graph"] else
-               f"no: {again['recompiled_because']}" if again["recompiled_because"] else "nothing to load"
-               if mode == "eager" else "no")
+        why = (f"failed to load, compiled again: {again['recompiled_because']}" if again["recompiled_because"]
+               else "nothing to load (no compilation)" if mode == "eager" else "no load failure reported")
         print(f"{mode:12s} {first['ready_s']:8.1f} {again['ready_s']:9.1f}  {why}")
     reference = rows.get("auto", next(iter(rows.values())))["first"]["text"]
     for mode, r in rows.items():
