@@ -40,12 +40,12 @@ def check_files(settings, default_reply_topic: str) -> None:
         sealing.load(settings.redis.encryption_keys_file)
     except sealing.KeyFileError as exc:
         raise StartupError(f"SLUICE_REDIS_ENCRYPTION_KEYS_FILE: {exc}") from None
-    for name, path in (("SLUICE_REDIS_PASSWORD_FILE", settings.redis.password_file),):
-        if path is not None:
-            try:
-                open(path).close()
-            except OSError as exc:
-                raise StartupError(f"{name}: cannot read {path} ({exc.strerror})") from None
+    if settings.redis.password_file is not None:
+        try:
+            open(settings.redis.password_file).close()
+        except OSError as exc:
+            raise StartupError(f"SLUICE_REDIS_PASSWORD_FILE: cannot read {settings.redis.password_file} "
+                               f"({exc.strerror})") from None
 
 
 async def check_redis(redis_settings, timeout_s: float = 5.0) -> str:
@@ -54,12 +54,12 @@ async def check_redis(redis_settings, timeout_s: float = 5.0) -> str:
     from redis.asyncio.cluster import RedisCluster
     from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
+    from redis.asyncio.cluster import ClusterNode
+
     from worker.redis_seeds import SeedNodes
 
     seeds = SeedNodes(redis_settings.client_url())
     tls = seeds.url.startswith("rediss://")
-    from redis.asyncio.cluster import ClusterNode
-
     client = None
     try:
         client = RedisCluster.from_url(seeds.url, startup_nodes=seeds.startup_nodes(ClusterNode),

@@ -33,3 +33,18 @@ async def test_the_reply_reader_speaks_sasl_over_tls_when_configured():
     client = ReplyReader(s.kafka.options(), "replies").consumer._client
     assert client._security_protocol == "SASL_SSL" and client._sasl_mechanism == "SCRAM-SHA-512"
     assert client._sasl_plain_username == "scorer" and client._ssl_context is not None
+
+
+def test_a_redis_password_file_is_read_by_each_client_and_never_put_in_the_engine_config(tmp_path):
+    from worker.engine import kv_connector_config
+    from worker.settings import load
+
+    secret = "pw-from-file-93ad"
+    path = tmp_path / "redis-password"
+    path.write_text(secret + "\n")
+    s = load(environ={}, redis_username="sluice", redis_password_file=str(path), redis_tls=True,
+             redis_tls_ca_file="/ca.crt")
+    opts = s.redis.client_options()
+    assert opts["password"] == secret and opts["username"] == "sluice" and opts["ssl_ca_certs"] == "/ca.crt"
+    assert s.redis.client_url().startswith("rediss://")
+    assert secret not in repr(kv_connector_config(s, "fingerprint"))  # the connector reads the file itself
