@@ -48,13 +48,15 @@ def json_depth_exceeds(value: bytes, limit: int) -> bool:
 class BadRequest(Exception):
     """A record that cannot be served. `id`/`reply_to` are set when readable."""
 
-    def __init__(self, code: ErrorCode, message: str, id: str | None = None, reply_to: str | None = None):
+    def __init__(self, code: ErrorCode, message: str, id: str | None = None, reply_to: str | None = None,
+                 tenant: str | None = None):
         message = cap(message)
         super().__init__(message)
         self.code = code
         self.message = message
         self.id = id
         self.reply_to = reply_to
+        self.tenant = tenant  # when known (the audit trail names it)
 
 
 def _valid(decoder: msgspec.json.Decoder, value) -> str | None:

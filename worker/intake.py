@@ -179,9 +179,7 @@ class Intake:
             tenant = self.tenancy.tenant_of(record, request, topic)
             refused = self.tenancy.reply_to_refused(tenant, request.reply_to)
             if refused is not None:  # answered on the default reply topic, never on the refused one
-                bad = BadRequest(ErrorCode.INVALID_REQUEST, refused, request.id)
-                bad.tenant = tenant  # for the audit trail
-                raise bad
+                raise BadRequest(ErrorCode.INVALID_REQUEST, refused, request.id, tenant=tenant)
             return Job(request, cls, topic.priority, request.reply_to or self.default_reply_topic,
                        tp, record.offset, record.timestamp, tenant=tenant)
         except Unauthenticated as exc:

@@ -168,7 +168,7 @@ class Replies:
             await self.emitter.dead_letter(record, bad.code.value, bad.message, self.running)
             route = "dlq"
         metrics.bad_records.labels(bad.code.value, route).inc()
-        await self._audit(cls, record, bad.id, bad.code.value, message=bad.message, tenant=getattr(bad, "tenant", None))
+        await self._audit(cls, record, bad.id, bad.code.value, message=bad.message, tenant=bad.tenant)
         log.info("bad_record", code=bad.code.value, route=route, cls=cls, topic=record.topic,
                  partition=record.partition, offset=record.offset, request_id=bad.id, reason=bad.message)
 
