@@ -36,9 +36,10 @@ def test_the_document_passes_the_asyncapi_parser(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["version"] == "3.0.0"
-    # 3 request classes, default replies, reply_to, DLQ, backfill source and results
-    assert summary["channels"] == len(catalog.requests) + 5
-    assert summary["messages"] == 7
+    # 3 request classes, default replies, reply_to, DLQ, backfill source and results, the audit trail
+    assert catalog.audit is not None
+    assert summary["channels"] == len(catalog.requests) + 6
+    assert summary["messages"] == 8
 
 
 def test_the_parser_rejects_a_broken_document(tmp_path):
