@@ -11,9 +11,10 @@ and prints both throughputs (events/s), their ratio, and how far sluice's scores
 are from the offline ones for the same events. Writes bench/backfill.json.
 
 Both arms get the same engine arguments (`worker.engine.engine_args` from the same
-settings), the same reserved CPUs (`--reserved-cpus`; each arm's binding is read from its
-log and the script stops if they differ), and sluice runs without KV pages (the offline
-arm has no connector).
+settings) and the same reserved CPUs (`--reserved-cpus`); the engine configuration each arm's
+vLLM resolved, its KV cache size and its CPU binding are read from its own log and the script
+stops if they differ (`bench/harness.py`). sluice runs without KV pages (the offline arm has no
+connector). Rendering and tokenization are inside the timed window in both arms.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench import common  # noqa: E402
+from bench import common, harness  # noqa: E402
 from worker.engine import engine_args, resolve_dtype  # noqa: E402
 from loadgen.burst import produce, read_topic  # noqa: E402
 from loadgen.events import transactions  # noqa: E402
@@ -51,6 +52,9 @@ def offline_child(args) -> None:
     template = Templates().get("fraud")
     s, _ = common.bench_engine_settings(args)
     llm = LLM(**engine_args(s.engine, resolve_dtype("auto", "cpu")))
+    from worker.engine import describe_config
+
+    print(harness.ARM_ENGINE + json.dumps(describe_config(llm.llm_engine.vllm_config)), flush=True)
     tok = llm.get_tokenizer()
 
     def ids(text: str) -> list[int]:
@@ -62,10 +66,12 @@ def offline_child(args) -> None:
     labels = list(template.labels)
     firsts = [tok.encode(label, add_special_tokens=False)[0] for label in labels]
     events = transactions(args.events, seed=args.seed)
-    prompts = [TokensPrompt(prompt_token_ids=ids(template.render(e))) for e in events]
     sp = SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=firsts)
-    llm.generate(prompts[:8], sp, use_tqdm=False)  # warm-up
+    llm.generate([TokensPrompt(prompt_token_ids=ids(template.render(e))) for e in events[:8]], sp,
+                 use_tqdm=False)  # warm-up
     t0 = time.monotonic()
+    # rendering and tokenization inside the timed window, as the worker does them per record
+    prompts = [TokensPrompt(prompt_token_ids=ids(template.render(e))) for e in events]
     outs = llm.generate(prompts, sp, use_tqdm=False)
     span = time.monotonic() - t0
     scores = {}
@@ -84,7 +90,7 @@ async def run_sluice(args, s) -> dict:
     from schemas.events import BackfillResult
     from worker.backfill import Backfill, Job
 
-    _, env = common.bench_engine_settings(args, SLUICE_KV_PAGES="false")
+    _, env = common.bench_engine_settings(args, SLUICE_KV_PAGES="false", SLUICE_LOG_LEVEL="info")
     env[common.RESERVED_CPUS_ENV] = str(args.reserved_cpus)
     async with common.worker_process(s, "bb", OUT / ".backfill-worker.log", **env) as cat:
         prefix = cat.replies.name[: -len("sluice.replies")]
@@ -125,14 +131,17 @@ async def main(args) -> None:
     print(f"offline: {off['events'] / off['seconds']:.1f} events/s")
     print("sluice: `sluice worker` + backfill ...", flush=True)
     sl = await run_sluice(args, s)
-    binding = common.same_binding({name: (OUT / f".backfill-{name}.log").read_text(errors="replace")
-                                   for name in ("offline", "worker")})
+    reports = {name: harness.arm_report((OUT / f".backfill-{name}.log").read_text(errors="replace"))
+               for name in ("offline", "worker")}
+    harness.check_alike(reports)
+    binding = {name: r["binding"] for name, r in reports.items()}
     diffs = [abs(sl["scores"][k]["fraud"] - v["fraud"]) for k, v in off["scores"].items()
              if sl["scores"].get(k)]
     off_rate, sl_rate = off["events"] / off["seconds"], sl["events"] / sl["seconds"]
     print(f"\n{args.events} transaction events, template fraud, max_num_seqs {args.max_num_seqs}, "
           f"max_num_batched_tokens {args.max_num_batched_tokens}, {common.RESERVED_CPUS_ENV}={args.reserved_cpus}; "
           f"{common.machine()}; {common.today()}; rev {common.git_rev()}")
+    print("both arms: " + ", ".join(f"{k}={reports['offline'][k]}" for k in harness.COMPARED))
     for name, b in binding.items():
         print(f"  binding {name}: {b}")
     print(f"offline  {off['events']:6d} events {off['seconds']:7.2f} s {off_rate:8.1f} events/s")
@@ -143,7 +152,7 @@ async def main(args) -> None:
     (OUT / "backfill.json").write_text(json.dumps({
         "args": {k: v for k, v in vars(args).items() if k != "child_offline"}, "offline_events_per_s": off_rate,
         "sluice_events_per_s": sl_rate, "ratio": sl_rate / off_rate, "score_diff_max": max(diffs, default=0),
-        "binding": binding,
+        "binding": binding, "arms": reports, "rev": common.git_rev(),
         "machine": common.machine(), "date": common.today()}, indent=2))
     print(f"wrote {OUT / 'backfill.json'}")
 

@@ -97,8 +97,9 @@ def stop_process(proc, grace: float = 60) -> None:
 
 
 @contextlib.asynccontextmanager
-async def worker_process(s, tag: str, log_path: Path, **env):
-    """`sluice worker` in its own process on fresh prefixed topics; yields the catalog once it is ready."""
+async def worker_process(s, tag: str, log_path: Path, procs: list | None = None, **env):
+    """`sluice worker` in its own process on fresh prefixed topics; yields the catalog once it is ready
+    (and appends the process to `procs`, when given)."""
     prefix = f"{tag}{uuid.uuid4().hex[:6]}."
     root = Path(__file__).resolve().parent.parent
     topics_file = log_path.with_suffix(".topics.toml")
@@ -114,6 +115,8 @@ async def worker_process(s, tag: str, log_path: Path, **env):
     # vLLM logs to stdout (its CPU binding among it): both streams go to the log
     proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], env=full, cwd=root,
                             stdout=open(log_path, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    if procs is not None:
+        procs.append(proc)
     try:
         await wait_http(f"http://127.0.0.1:{port}/readyz", proc)
         yield cat
@@ -197,3 +200,47 @@ def git_rev() -> str:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         return "?"
+
+
+class ChildArm:
+    """A benchmark arm in a child process that stays up across repetitions: it prints READY once
+    warmed up, then answers each line written to its stdin with one `RESULT <json>` line. Everything
+    it prints goes to `log_path` (vLLM logs to stdout: its configuration and CPU binding among it)."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, log_path: Path):
+        self.name, self.cmd, self.env, self.log_path = name, cmd, env, log_path
+
+    async def start(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.cmd, cwd=Path(__file__).resolve().parent.parent, env=self.env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        self.pid = self.proc.pid
+        self.log = open(self.log_path, "w")
+        await self._line("READY")
+
+    async def _line(self, prefix: str) -> str:
+        while True:
+            raw = await self.proc.stdout.readline()
+            if not raw:
+                raise RuntimeError(f"{self.name} arm exited; see {self.log_path}")
+            line = raw.decode(errors="replace")
+            self.log.write(line)
+            self.log.flush()
+            if line.startswith(prefix):
+                return line
+
+    async def ask(self, command: str) -> dict:
+        import json
+
+        self.proc.stdin.write(f"{command}\n".encode())
+        await self.proc.stdin.drain()
+        return json.loads((await self._line("RESULT "))[7:])
+
+    async def stop(self) -> None:
+        self.proc.stdin.close()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.proc.wait(), 60)
+        if self.proc.returncode is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            await self.proc.wait()
+        self.log.close()

@@ -1,35 +1,35 @@
-"""sluice through Kafka vs. vLLM's own paths, same prompts, same machine, one run.
+"""sluice through Kafka vs. vLLM's own paths on the same engine, like with like, in one run.
 
-    python bench/compare.py [--requests 256] [--prompt-tokens 128] [--max-tokens 32]
+    python bench/compare.py [--requests 128] [--prompt-tokens 128] [--max-tokens 32] [--reps 3]
 
-Three runs of one workload (greedy, the bundled model, every request submitted
-at once, the engine admitting up to `--max-num-seqs`):
+Arms (each in its own process, started once and kept for every repetition):
 
-  offline  vLLM `LLM.generate` on all prompts in one call (the ceiling)
-  server   vLLM's OpenAI-compatible server in its own process, one streaming
-           HTTP client per request (SSE, `/v1/completions`)
-  sluice   `sluice worker` in its own process; requests published to the
-           standard topic, streamed token replies read back from Kafka
+  offline    vLLM `LLM.generate` on all prompts in one call (the ceiling)
+  server     vLLM's OpenAI-compatible server (`bench/serve_arm.py`), one streaming HTTP
+             client per request (SSE, `/v1/completions`)
+  sluice     `sluice worker`, KV pages off; requests published to the standard topic,
+             streamed token records read back from Kafka
+  sluice+kv  the same with KV pages saved to Redis Cluster (`--no-pages-arm` drops it)
 
-Each path runs in its own process with the same engine arguments (built once by
-`worker.engine.engine_args` from the same settings: dtype, lengths, batch sizes, priority
-scheduling, prefix caching), the same reserved CPUs (`--reserved-cpus`, the script checks
-each arm's binding in its log and stops if they differ), the same warm-up, and
-sluice without KV pages (the others save none; `--sluice-pages` adds a fourth arm
-with them, to show what they cost). Output token totals are compared: greedy
-decoding on one model should give the same lengths, and the script says when not. Prints throughput (requests/s, output tokens/s), TTFT and
-end-to-end percentiles, and the ratios sluice/offline and sluice/server;
-writes bench/compare.json.
+Every arm gets the same engine arguments (`worker.engine.engine_args` from one settings
+object), the same reserved CPUs (`--reserved-cpus`), `ignore_eos` (sluice: SLUICE_IGNORE_EOS)
+so every request generates exactly `--max-tokens`, and the same warm-up. Before any ratio is
+printed the script checks, from each arm's own log, the engine configuration vLLM resolved, the
+KV cache it sized and the cores it computes on (`bench/harness.py: check_alike`), and that every
+arm generated the same token ids for every request (`check_outputs`); either mismatch stops the
+run. Each repetition uses fresh prompts (so no arm meets a prefix it cached earlier) and runs
+the arms in a rotated order. Prints each arm's throughput and latency as median [min-max]
+over the repetitions and the per-repetition ratios against offline and server; writes
+bench/compare.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import os
 import random
-import re
 import subprocess
 import sys
 import time
@@ -41,12 +41,13 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench import common  # noqa: E402
-from worker.engine import engine_args, resolve_dtype  # noqa: E402
+from bench import common, harness  # noqa: E402
 from loadgen.burst import COUNTRIES, MERCHANTS, ReplyReader, percentile, produce  # noqa: E402
-from schemas import DoneReply, ErrorReply  # noqa: E402
+from schemas import DoneReply, ErrorReply, TokenReply  # noqa: E402
+from worker.engine import engine_args, resolve_dtype  # noqa: E402
 
 OUT = Path(__file__).resolve().parent
+WARM_UP = [f"warm up {i}" for i in range(8)]
 
 
 def prompts(model: str, n: int, tokens: int, seed: int = 11) -> list[str]:
@@ -57,7 +58,7 @@ def prompts(model: str, n: int, tokens: int, seed: int = 11) -> list[str]:
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        lines = [f"Customer {i} card history:"]
+        lines = [f"Customer {seed}-{i} card history:"]
         while len(tok.encode("\n".join(lines))) < tokens + 16:
             lines.append(f"{round(rng.lognormvariate(3.5, 1.2), 2)} USD at {rng.choice(MERCHANTS)} in "
                          f"{rng.choice(COUNTRIES)}, card {'present' if rng.random() < 0.6 else 'not present'}")
@@ -66,188 +67,266 @@ def prompts(model: str, n: int, tokens: int, seed: int = 11) -> list[str]:
     return out
 
 
-def stats(name: str, span: float, done: int, out_tokens: int, ttft: list[float], e2e: list[float]) -> dict:
-    return {"name": name, "seconds": span, "requests": done, "output_tokens": out_tokens,
-            "req_per_s": done / span, "tok_per_s": out_tokens / span,
+def stats(name: str, span: float, outputs: dict[str, list[int]], ttft: list[float], e2e: list[float]) -> dict:
+    done, toks = len(outputs), sum(map(len, outputs.values()))
+    return {"name": name, "seconds": span, "requests": done, "output_tokens": toks,
+            "req_per_s": done / span, "tok_per_s": toks / span,
             "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
             "e2e_p50": percentile(e2e, 50), "e2e_p99": percentile(e2e, 99)}
 
 
-# -- (a) offline -------------------------------------------------------------
+# -- offline: a child process that runs one repetition per line on its stdin -------------------
 
 def offline_child(args) -> None:
-    """Runs in its own process: prints one JSON line with the result."""
     from vllm import LLM, SamplingParams
 
-    texts = prompts(args.model, args.requests, args.prompt_tokens)
+    from worker.engine import describe_config
+
     s, _ = common.bench_engine_settings(args)
     llm = LLM(**engine_args(s.engine, resolve_dtype("auto", "cpu")))
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    llm.generate([f"warm up {i}" for i in range(8)], SamplingParams(max_tokens=8), use_tqdm=False)
-    t0 = time.monotonic()
-    outs = llm.generate(texts, sp, use_tqdm=False)
-    span = time.monotonic() - t0
-    toks = sum(len(o.outputs[0].token_ids) for o in outs)
-    # Offline returns everything at the end: every request's e2e is the whole span.
-    print("RESULT " + json.dumps(stats("offline", span, len(outs), toks, [], [span] * len(outs))), flush=True)
+    print(harness.ARM_ENGINE + json.dumps(describe_config(llm.llm_engine.vllm_config)), flush=True)
+    llm.generate(WARM_UP, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    print("READY", flush=True)
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    for line in sys.stdin:
+        ask = json.loads(line)  # the repetition and its prompts, made by the parent
+        rep, texts = ask["rep"], ask["texts"]
+        t0 = time.monotonic()
+        outs = llm.generate(texts, sp, use_tqdm=False)
+        span = time.monotonic() - t0
+        outputs = {f"{rep}-{i}": list(o.outputs[0].token_ids) for i, o in enumerate(outs)}
+        # Offline returns everything at the end: every request's e2e is the whole span.
+        print("RESULT " + json.dumps({**stats("offline", span, outputs, [], [span] * len(outs)), "outputs": outputs}),
+              flush=True)
 
 
-def run_offline(args) -> dict:
-    return common.run_offline_child(__file__, args.model, env=common.arm_env(args), log_path=OUT / ".compare-offline.log")
+class OfflineArm(common.ChildArm):
+    def __init__(self, args):
+        super().__init__("offline", [sys.executable, __file__, "--child-offline", *sys.argv[1:], "--model", args.model],
+                         common.arm_env(args), OUT / ".compare-offline.log")
+
+    async def run(self, rep: int, texts: list[str]) -> dict:
+        return await self.ask(json.dumps({"rep": rep, "texts": texts}))
 
 
-# -- (b) OpenAI server -------------------------------------------------------
+# -- server ------------------------------------------------------------------------------------
 
-async def run_server(args, texts: list[str]) -> dict:
-    import aiohttp
+class ServerArm:
+    name = "server"
 
-    port = common.free_port()
-    env = common.arm_env(args)
-    s, _ = common.bench_engine_settings(args)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--port", str(port), "--host", "127.0.0.1",
-         *common.vllm_cli_flags(engine_args(s.engine, resolve_dtype("auto", "cpu"))), "--uvicorn-log-level", "warning"],
-        env=env, cwd=ROOT, stdout=open(OUT / ".compare-server.log", "w"), stderr=subprocess.STDOUT,
-        start_new_session=True)
-    try:
-        await common.wait_http(f"http://127.0.0.1:{port}/health", proc)
-        url = f"http://127.0.0.1:{port}/v1/completions"
-        conn = aiohttp.TCPConnector(limit=0)
-        async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=3600)) as http:
-            async def one(text: str, bar=None):
-                body = {"model": args.model, "prompt": text, "max_tokens": args.max_tokens, "temperature": 0.0,
-                        "stream": True, "stream_options": {"include_usage": True}}
-                t0 = time.monotonic()
-                first, toks = None, 0
-                async with http.post(url, json=body) as r:
-                    r.raise_for_status()
-                    async for raw in r.content:
-                        line = raw.decode().strip()
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        if chunk.get("choices") and chunk["choices"][0].get("text") and first is None:
-                            first = time.monotonic() - t0
-                        if chunk.get("usage"):
-                            toks = chunk["usage"]["completion_tokens"]
-                if bar:
-                    bar.update(1)
-                return first or time.monotonic() - t0, time.monotonic() - t0, toks
+    def __init__(self, args):
+        self.args, self.log_path = args, OUT / ".compare-server.log"
 
-            await asyncio.gather(*(one(f"warm up {i}") for i in range(8)))
+    async def start(self) -> None:
+        import aiohttp
+
+        self.port = common.free_port()
+        s, _ = common.bench_engine_settings(self.args)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(OUT / "serve_arm.py"), "--port", str(self.port), "--host", "127.0.0.1",
+             *common.vllm_cli_flags(engine_args(s.engine, resolve_dtype("auto", "cpu"))), "--uvicorn-log-level",
+             "warning"], env=common.arm_env(self.args), cwd=ROOT, stdout=open(self.log_path, "w"),
+            stderr=subprocess.STDOUT, start_new_session=True)
+        self.pid = self.proc.pid
+        await common.wait_http(f"http://127.0.0.1:{self.port}/health", self.proc)
+        self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                          timeout=aiohttp.ClientTimeout(total=3600))
+        await asyncio.gather(*(self._one(t, 8) for t in WARM_UP))
+
+    async def _one(self, text: str, max_tokens: int, bar=None):
+        body = {"model": self.args.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0.0,
+                "stream": True, "ignore_eos": True, "return_token_ids": True}
+        t0 = time.monotonic()
+        first, ids = None, []
+        async with self.http.post(f"http://127.0.0.1:{self.port}/v1/completions", json=body) as r:
+            r.raise_for_status()
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choices = json.loads(line[6:]).get("choices") or []
+                if choices and choices[0].get("token_ids"):
+                    first = first or time.monotonic() - t0
+                    ids += choices[0]["token_ids"]
+        if bar:
+            bar.update(1)
+        return first or time.monotonic() - t0, time.monotonic() - t0, ids
+
+    async def run(self, rep: int, texts: list[str]) -> dict:
+        t0 = time.monotonic()
+        with tqdm(total=len(texts), desc=f"server   rep {rep}", unit="req", mininterval=2) as bar:
+            res = await asyncio.gather(*(self._one(t, self.args.max_tokens, bar) for t in texts))
+        span = time.monotonic() - t0
+        outputs = {f"{rep}-{i}": r[2] for i, r in enumerate(res)}
+        return {**stats("server", span, outputs, [r[0] for r in res], [r[1] for r in res]), "outputs": outputs}
+
+    async def stop(self) -> None:
+        await self.http.close()
+        common.stop_process(self.proc, 30)
+
+
+# -- sluice ------------------------------------------------------------------------------------
+
+class SluiceArm:
+    def __init__(self, args, s, pages: bool):
+        self.args, self.s, self.pages = args, s, pages
+        self.name = "sluice+kv" if pages else "sluice"
+        self.log_path = OUT / f".compare-{self.name}.log"
+        self.stack = contextlib.AsyncExitStack()
+
+    async def start(self) -> None:
+        _, env = common.bench_engine_settings(self.args, SLUICE_KV_PAGES=str(self.pages).lower(),
+                                              SLUICE_IGNORE_EOS="true", SLUICE_LOG_LEVEL="info")
+        env[common.RESERVED_CPUS_ENV] = str(self.args.reserved_cpus)
+        procs = []
+        self.cat = await self.stack.enter_async_context(
+            common.worker_process(self.s, "bc", self.log_path, procs, **env))
+        self.pid = procs[0].pid
+        self.topic = self.cat.request_topic("standard").name
+        self.tag = uuid.uuid4().hex[:6]
+        await self._burst([{"id": f"{self.tag}-w{i}", "prompt": t, "max_tokens": 8} for i, t in enumerate(WARM_UP)])
+
+    async def _burst(self, bodies: list[dict], bar=None):
+        reader = ReplyReader(self.s.kafka.options(), self.cat.replies.name)
+        await reader.start()
+        first, done, ids = {}, {}, {b["id"]: {} for b in bodies}
+        try:
             t0 = time.monotonic()
-            with tqdm(total=len(texts), desc="server", unit="req", mininterval=2) as bar:
-                res = await asyncio.gather(*(one(t, bar) for t in texts))
-            span = time.monotonic() - t0
-        return stats("server", span, len(res), sum(r[2] for r in res), [r[0] for r in res], [r[1] for r in res])
-    finally:
-        common.stop_process(proc, 30)
-
-
-# -- (c) sluice --------------------------------------------------------------
-
-async def run_sluice(args, texts: list[str], s, pages: bool = False) -> dict:
-    _, env = common.bench_engine_settings(args, SLUICE_KV_PAGES=str(pages).lower())
-    env[common.RESERVED_CPUS_ENV] = str(args.reserved_cpus)
-    name = "sluice+kv" if pages else "sluice"
-    async with common.worker_process(s, "bc", OUT / f".compare-{name}.log", **env) as cat:
-        topic = cat.request_topic("standard").name
-        tag = uuid.uuid4().hex[:6]
-
-        async def burst(bodies: list[dict], bar=None):
-            reader = ReplyReader(s.kafka.options(), cat.replies.name)
-            await reader.start()
-            sent, first, done = {}, {}, {}
-            try:
-                t0 = time.monotonic()
-                for b in bodies:
-                    sent[b["id"]] = t0
-                await produce(s.kafka.options(), [(topic, b["id"].encode(), msgspec.json.encode(b), []) for b in bodies])
-                while len(done) < len(bodies):
-                    async for r in reader.records(timeout_ms=100):
-                        if r.id not in sent or r.id in done:
-                            continue
-                        now = time.monotonic()
+            await produce(self.s.kafka.options(),
+                          [(self.topic, b["id"].encode(), msgspec.json.encode(b), []) for b in bodies])
+            while len(done) < len(bodies):
+                async for r in reader.records(timeout_ms=100):
+                    if r.id not in ids or r.id in done:
+                        continue
+                    now = time.monotonic()
+                    if isinstance(r, TokenReply):
                         first.setdefault(r.id, now)
-                        if isinstance(r, (DoneReply, ErrorReply)):
-                            done[r.id] = (now, r)
-                            if bar:
-                                bar.update(1)
-                return t0, sent, first, done
-            finally:
-                await reader.stop()
+                        ids[r.id][r.seq] = r.token_ids
+                    elif isinstance(r, (DoneReply, ErrorReply)):
+                        done[r.id] = (now, r)
+                        if bar:
+                            bar.update(1)
+            errors = [r for _, r in done.values() if isinstance(r, ErrorReply)]
+            if errors:
+                raise SystemExit(f"{self.name}: {len(errors)} error replies, e.g. {errors[0]}")
+            return t0, first, done, {k: [t for _, chunk in sorted(v.items()) for t in chunk] for k, v in ids.items()}
+        finally:
+            await reader.stop()
 
-        await burst([{"id": f"{tag}-w{i}", "prompt": f"warm up {i}", "max_tokens": 8} for i in range(8)])
-        bodies = [{"id": f"{tag}-{i}", "prompt": t, "max_tokens": args.max_tokens} for i, t in enumerate(texts)]
-        with tqdm(total=len(bodies), desc=name, unit="req", mininterval=2) as bar:
-            t0, sent, first, done = await burst(bodies, bar)
-    span = max(t for t, _ in done.values()) - t0
-    errors = [r for _, r in done.values() if isinstance(r, ErrorReply)]
-    if errors:
-        print(f"  {len(errors)} error replies, e.g. {errors[0]}")
-    toks = sum(r.usage.completion_tokens for _, r in done.values() if isinstance(r, DoneReply))
-    return stats(name, span, len(done), toks, [first[i] - sent[i] for i in done], [done[i][0] - sent[i] for i in done])
+    async def run(self, rep: int, texts: list[str]) -> dict:
+        bodies = [{"id": f"{self.tag}-{rep}-{i}", "prompt": t, "max_tokens": self.args.max_tokens}
+                  for i, t in enumerate(texts)]
+        with tqdm(total=len(bodies), desc=f"{self.name:9s}rep {rep}", unit="req", mininterval=2) as bar:
+            t0, first, done, ids = await self._burst(bodies, bar)
+        span = max(t for t, _ in done.values()) - t0
+        outputs = {k.removeprefix(f"{self.tag}-"): v for k, v in ids.items()}
+        return {**stats(self.name, span, outputs, [first[i] - t0 for i in done], [done[i][0] - t0 for i in done]),
+                "outputs": outputs}
+
+    async def stop(self) -> None:
+        await self.stack.aclose()
 
 
-def table(results: list[dict]) -> str:
-    rows = [f"{'path':9s} {'req/s':>7s} {'tok/s':>7s} {'ttft p50':>9s} {'ttft p99':>9s} {'e2e p50':>8s} {'e2e p99':>8s}"]
-    for r in results:
-        rows.append(f"{r['name']:9s} {r['req_per_s']:7.2f} {r['tok_per_s']:7.1f} {r['ttft_p50']:8.2f}s "
-                    f"{r['ttft_p99']:8.2f}s {r['e2e_p50']:7.2f}s {r['e2e_p99']:7.2f}s")
-    return re.sub(r"nans", "  - ", "\n".join(rows))
+async def idle_cores(arms, seconds: float = 5) -> dict[str, float]:
+    """Cores each arm's processes keep busy while no requests are sent."""
+    await asyncio.sleep(3)
+    before = {a.name: sum(harness.cpu_seconds(a.pid).values()) for a in arms}
+    await asyncio.sleep(seconds)
+    return {a.name: (sum(harness.cpu_seconds(a.pid).values()) - before[a.name]) / seconds for a in arms}
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+def table(summary: dict[str, dict]) -> str:
+    cols = ("req_per_s", "tok_per_s", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "cpu_front_ms_per_request",
+            "cpu_engine_ms_per_request")
+    heads = {"cpu_front_ms_per_request": "front cpu ms/req", "cpu_engine_ms_per_request": "engine cpu ms/req"}
+    rows = [f"{'arm':10s}" + "".join(f"{heads.get(c, c):>22s}" for c in cols)]
+    for name, per in summary.items():
+        cells = []
+        for c in cols:
+            v = per[c]
+            cells.append("-" if v["median"] != v["median"] else f"{v['median']:.2f} [{v['min']:.2f}-{v['max']:.2f}]")
+        rows.append(f"{name:10s}" + "".join(f"{x:>22s}" for x in cells))
+    return "\n".join(rows)
 
 
 async def main(args) -> None:
     s = common.settings()
     args.model = args.model or s.engine.model
-    texts = prompts(args.model, args.requests, args.prompt_tokens)
-    results = []
-    print("offline: loading vLLM LLM in a child process ...", flush=True)
-    results.append(run_offline(args))
-    print(f"offline: {results[-1]['req_per_s']:.2f} req/s")
-    print("server: starting vLLM's OpenAI server ...", flush=True)
-    results.append(await run_server(args, texts))
-    print("sluice: starting `sluice worker` ...", flush=True)
-    results.append(await run_sluice(args, texts, s))
-    logs = {"offline": ".compare-offline.log", "server": ".compare-server.log", "sluice": ".compare-sluice.log"}
-    if args.sluice_pages:
-        print("sluice+kv: starting `sluice worker` with KV pages ...", flush=True)
-        results.append(await run_sluice(args, texts, s, pages=True))
-        logs["sluice+kv"] = ".compare-sluice+kv.log"
-    binding = common.same_binding({k: (OUT / v).read_text(errors="replace") for k, v in logs.items()})
-    by = {r["name"]: r for r in results}
-    print(f"\n{args.requests} requests x ~{args.prompt_tokens} prompt tokens x {args.max_tokens} output tokens, "
-          f"greedy, max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
-          f"{common.RESERVED_CPUS_ENV}={args.reserved_cpus}; {common.machine()}; {common.today()}; rev {common.git_rev()}")
-    for name, b in binding.items():
-        print(f"  binding {name}: {b}")
-    print(table(results))
-    counts = {r["name"]: r["output_tokens"] for r in results}
-    if max(counts.values()) > 1.02 * min(counts.values()):
-        print(f"output token totals differ by more than 2% ({counts}): tokens/s ratios are not like with like")
-    ratios = {f"{arm}/{ref}": by[arm]["tok_per_s"] / by[ref]["tok_per_s"]
-              for arm in by if arm.startswith("sluice") for ref in ("offline", "server")}
+    arms = [OfflineArm(args), ServerArm(args), SluiceArm(args, s, pages=False)]
+    if not args.no_pages_arm:
+        arms.append(SluiceArm(args, s, pages=True))
+    by_name = {a.name: a for a in arms}
+    started = []
+    try:
+        for arm in arms:
+            print(f"{arm.name}: starting ...", flush=True)
+            await arm.start()
+            started.append(arm)
+        reports = {a.name: harness.arm_report(a.log_path.read_text(errors="replace")) for a in arms}
+        harness.check_alike(reports)
+        # Arms wait while the others run: what each uses while it waits competes with the one measured.
+        idle = await idle_cores(arms)
+        runs: dict[str, list[dict]] = {a.name: [] for a in arms}
+        for rep, order in enumerate(harness.orders(list(by_name), args.reps)):
+            texts = prompts(args.model, args.requests, args.prompt_tokens, seed=11 + rep)
+            for name in order:
+                arm = by_name[name]
+                cpu0 = harness.cpu_seconds(arm.pid)
+                result = await arm.run(rep, texts)
+                cpu1 = harness.cpu_seconds(arm.pid)
+                # where the arm's CPU went: its own process (front end) and its engine processes
+                result.update({f"cpu_{k}_ms_per_request": 1000 * (cpu1[k] - cpu0[k]) / len(texts) for k in cpu0})
+                runs[name].append(result)
+        idle_after = await idle_cores(arms)
+    finally:
+        for arm in started:
+            await arm.stop()
+    compared = harness.check_outputs({n: {k: v for r in rs for k, v in r.pop("outputs").items()}
+                                      for n, rs in runs.items()})
+    summary = {n: {k: harness.spread([r[k] for r in rs]) for k in rs[0] if k not in ("name",)}
+               for n, rs in runs.items()}
+    ratios = {f"{arm}/{ref}": harness.spread([a["tok_per_s"] / b["tok_per_s"] for a, b in zip(runs[arm], runs[ref])])
+              for arm in runs if arm.startswith("sluice") for ref in ("offline", "server")}
+    if "sluice+kv" in runs:
+        ratios["sluice+kv/sluice"] = harness.spread([a["tok_per_s"] / b["tok_per_s"]
+                                                     for a, b in zip(runs["sluice+kv"], runs["sluice"])])
+    print(f"\n{args.requests} requests x ~{args.prompt_tokens} prompt tokens x {args.max_tokens} output tokens "
+          f"(ignore_eos), greedy, {args.reps} repetitions in rotated order; {common.machine()}; {common.today()}; "
+          f"rev {common.git_rev()}")
+    first = reports[arms[0].name]
+    print("every arm: " + ", ".join(f"{k}={first[k]}" for k in harness.COMPARED))
+    for name, r in reports.items():
+        print(f"  {name:10s} kv_connector={r.get('kv_connector')}, {r['binding']}")
+    print(f"same token ids in every arm for all {compared} requests; cores used by each arm while waiting "
+          f"(before / after the runs): "
+          + ", ".join(f"{k} {v:.2f} / {idle_after[k]:.2f}" for k, v in idle.items()))
+    print(table(summary))
     for k, v in ratios.items():
-        print(f"throughput {k}: {v:.3f}")
-    (OUT / "compare.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "child_offline"},
-                                                  "results": results, "ratios": ratios, "binding": binding,
-                                                  "output_tokens": counts,
-                                                  "machine": common.machine(), "date": common.today()}, indent=2))
+        print(f"throughput {k:18s} {v['median']:.3f}  [{v['min']:.3f}-{v['max']:.3f}]  runs "
+              + " ".join(f"{x:.3f}" for x in v["runs"]))
+    (OUT / "compare.json").write_text(json.dumps(
+        {"args": {k: v for k, v in vars(args).items() if k != "child_offline"}, "arms": reports, "summary": summary,
+         "runs": runs, "ratios": ratios, "requests_compared": compared,
+         "idle_cores_per_arm": {"before": idle, "after": idle_after},
+         "machine": common.machine(), "date": common.today(), "rev": common.git_rev()}, indent=2))
     print(f"wrote {OUT / 'compare.json'}")
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--requests", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-gib", type=int, default=2)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--reserved-cpus", type=int, default=0,
                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for every arm (0: every arm computes on every core)")
-    p.add_argument("--sluice-pages", action="store_true", help="a fourth arm: sluice with KV pages in Redis")
+    p.add_argument("--no-pages-arm", action="store_true", help="leave out sluice with KV pages in Redis")
     p.add_argument("--model", default=None, help="default: the bundled model")
     p.add_argument("--child-offline", action="store_true", help=argparse.SUPPRESS)
     return p

@@ -1,13 +1,27 @@
-"""Realtime latency alone vs. under a saturating batch backlog, sluice classes vs. one FIFO class.
+"""What realtime latency costs batch throughput: sluice's contention caps against vLLM's own scheduling.
 
-    python bench/isolation.py [--rate 4] [--seconds 20] [--backlog 300]
+    python bench/isolation.py [--rate 4] [--seconds 20] [--backlog 300] [--caps 2,16,48] [--reps 3]
 
-Four runs on one engine (real model): realtime requests at a steady rate
-(a) alone and (b) with a backlog landing on the batch topic a few seconds into
-the stream (non-streaming, as a backfill would send it) and outlasting it, first through the
-latency classes (realtime topic), then for the FIFO baseline through the batch
-topic like everything else. Prints realtime p50/p99 end-to-end latency per run
-and the loaded/unloaded ratios; writes bench/isolation.json and bench/isolation.png.
+One engine (real model, `ignore_eos` so every request does the same work in every run), shared by
+every run, each run starting from an idle engine. Realtime requests arrive at a steady rate for
+`--seconds`; a batch backlog (non-streaming, as a backfill sends it) lands `--backlog-after`
+seconds in and outlasts the window. Runs:
+
+  sluice rt alone        realtime through the realtime topic, nothing else
+  sluice batch alone     the backlog through the batch topic, nothing else
+  sluice cap=N           both; batch held to N engine slots while realtime has work
+                         (`contended_in_engine`), one run per value of `--caps`
+  vllm rt alone          realtime straight into the engine (`AsyncLLM` via the worker's adapter),
+                         no Kafka
+  vllm batch alone       the backlog straight into the engine
+  vllm priority          both straight into the engine, class priorities (0 and 10): vLLM's own
+                         priority scheduling alone
+  vllm fifo              both straight into the engine, one priority: first come, first served
+
+For each: realtime end-to-end p50/p99, batch requests completed per second over the window after
+the backlog lands, and engine output tokens per second. The frontier (realtime p99 loaded/alone
+against the batch throughput kept, loaded/alone) is plotted to bench/isolation.png; medians over
+`--reps` repetitions (runs rotated) in bench/isolation.json.
 """
 
 from __future__ import annotations
@@ -25,159 +39,241 @@ from aiokafka import AIOKafkaProducer
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import common  # noqa: E402
+from bench import common, harness  # noqa: E402
 from loadgen.burst import ReplyReader, percentile, produce  # noqa: E402
-from schemas import DoneReply, ErrorReply  # noqa: E402
+from schemas import DoneReply, ErrorReply, Request  # noqa: E402
+from worker.engine import GenParams  # noqa: E402
 from worker.worker import Worker  # noqa: E402
 
 OUT = Path(__file__).resolve().parent
 
 
+def prompt(i: int) -> str:
+    """Depends on `i` only, so every run sees the same prompts."""
+    return (f"Transaction {i}: amount {10 + 7 * i % 900}.50 USD, merchant electronics, country BR, card not "
+            f"present, {i % 13} transactions in 24h. Explain whether it is fraud:")
+
+
 def body(rid: str, i: int, max_tokens: int, stream: bool = True) -> bytes:
-    """The prompt depends on `i` only, so every run sees the same prompts (and output lengths)."""
-    return msgspec.json.encode({
-        "id": rid, "max_tokens": max_tokens, "stream": stream,
-        "prompt": f"Transaction {i}: amount {10 + 7 * i % 900}.50 USD, merchant electronics, country BR, card not "
-                  f"present, {i % 13} transactions in 24h. Explain whether it is fraud:"})
+    return msgspec.json.encode({"id": rid, "max_tokens": max_tokens, "stream": stream, "prompt": prompt(i)})
 
 
-async def run(s, eng, mode: str, loaded: bool, args) -> list[float]:
+class Window:
+    """Realtime latencies and batch completions (with their times) of one run."""
+
+    def __init__(self):
+        self.rt: dict[str, float] = {}
+        self.batch_done: list[float] = []
+        self.backlog_at: float | None = None
+        self.rt_end: float | None = None
+
+    def summary(self, args) -> dict:
+        lat = list(self.rt.values())
+        out = {"rt_p50": percentile(lat, 50) if lat else None, "rt_p99": percentile(lat, 99) if lat else None,
+               "rt_n": len(lat)}
+        if self.backlog_at is not None:
+            # batch throughput over the realtime stream's remaining time (or the same span when alone)
+            span_end = self.backlog_at + (args.seconds - args.backlog_after)
+            done = sum(1 for t in self.batch_done if self.backlog_at <= t <= span_end)
+            out["batch_per_s"] = done / (span_end - self.backlog_at)
+        rt_tokens = len(lat) * args.rt_tokens / args.seconds
+        out["tokens_per_s"] = rt_tokens + out.get("batch_per_s", 0) * args.batch_tokens
+        return out
+
+
+async def sluice_run(s, eng, args, rt: bool, batch: bool, cap: int | None) -> Window:
     tag = uuid.uuid4().hex[:6]  # ids are idempotency keys: never reuse them across runs
-    cat = await common.fresh_catalog(s, mode[0] + ("l" if loaded else "u"))
-    if mode == "fifo":
-        # One class for everything, admitted as it arrives: no intake window.
-        fifo = msgspec.structs.replace(cat.request_topic("batch"), window_ms=0)
-        cat = msgspec.structs.replace(cat, topic=[fifo if t.name == fifo.name else t for t in cat.topic])
-    rt_topic = cat.request_topic("realtime" if mode == "classes" else "batch").name
+    cat = await common.fresh_catalog(s, "iso")
+    if cap is not None:
+        bt = msgspec.structs.replace(cat.request_topic("batch"), contended_in_engine=cap,
+                                     min_in_engine=min(cap, cat.request_topic("batch").min_in_engine))
+        cat = msgspec.structs.replace(cat, topic=[bt if t.name == bt.name else t for t in cat.topic])
     worker = Worker(s.override(group_id=f"bench-{uuid.uuid4().hex[:6]}"), cat, eng)
     await worker.start()
     while not worker.consumer.assignment():
         await asyncio.sleep(0.1)
     reader = ReplyReader(s.kafka.options(), cat.replies.name)
     await reader.start()
+    w, sent = Window(), {}
+    producer = AIOKafkaProducer(**s.kafka.options(), linger_ms=0)
+    await producer.start()
+    n = int(args.rate * args.seconds) if rt else 0
+
+    async def backlog():
+        await asyncio.sleep(args.backlog_after)
+        w.backlog_at = time.monotonic()
+        await produce(s.kafka.options(), [(cat.request_topic("batch").name, f"{tag}-bk{i}".encode(),
+                                           body(f"{tag}-bk{i}", 10_000 + i, args.batch_tokens, stream=False), [])
+                                          for i in range(args.backlog)])
+
+    async def publish():
+        start = time.monotonic()
+        for i in range(n):
+            await asyncio.sleep(max(0.0, start + i / args.rate - time.monotonic()))
+            rid = f"{tag}-rt{i}"
+            sent[rid] = time.monotonic()
+            await producer.send_and_wait(cat.request_topic("realtime").name, body(rid, i, args.rt_tokens),
+                                         key=rid.encode())
+
+    tasks = [asyncio.create_task(publish())] + ([asyncio.create_task(backlog())] if batch else [])
+    end = time.monotonic() + args.seconds
     try:
-        n = int(args.rate * args.seconds)
-        sent: dict[str, float] = {}
-        lat: dict[str, float] = {}
-        label = f"{mode:7s} {'loaded' if loaded else 'alone':6s}"
-
-        producer = AIOKafkaProducer(**s.kafka.options(), linger_ms=0)
-        await producer.start()
-
-        async def backlog():
-            await asyncio.sleep(args.backlog_after)  # a backfill lands while realtime flows
-            await produce(s.kafka.options(), [(cat.request_topic("batch").name, f"{tag}-bk{i}".encode(),
-                                               body(f"{tag}-bk{i}", i, args.batch_tokens, stream=False), [])
-                                              for i in range(args.backlog)])
-
-        async def publish():
-            if loaded:
-                asyncio.create_task(backlog())
-            start = time.monotonic()
-            for i in range(n):
-                await asyncio.sleep(max(0.0, start + i / args.rate - time.monotonic()))
-                rid = f"{tag}-rt{i}"
-                sent[rid] = time.monotonic()
-                await producer.send_and_wait(rt_topic, body(rid, i, args.rt_tokens), key=rid.encode())
-
-        pub = asyncio.create_task(publish())
-        with tqdm(total=n, desc=label, unit="req", mininterval=2) as bar:
-            end = time.monotonic() + args.seconds + args.timeout
-            while len(lat) < n and time.monotonic() < end:
-                async for r in reader.records():
-                    if isinstance(r, (DoneReply, ErrorReply)) and r.id in sent and r.id not in lat:
-                        lat[r.id] = time.monotonic() - sent[r.id]
-                        bar.update(1)
-        await pub
-        await producer.stop()
-        if len(lat) < n:
-            print(f"  {n - len(lat)} realtime requests unanswered within the timeout; counted as {args.timeout}s")
-            lat.update({rid: float(args.timeout) for rid in sent if rid not in lat})
-        return list(lat.values())
+        while time.monotonic() < end or (len(w.rt) < n and time.monotonic() < end + args.timeout):
+            async for r in reader.records(timeout_ms=50):
+                if not isinstance(r, (DoneReply, ErrorReply)):
+                    continue
+                now = time.monotonic()
+                if r.id in sent and r.id not in w.rt:
+                    w.rt[r.id] = now - sent[r.id]
+                elif r.id.startswith(f"{tag}-bk"):
+                    w.batch_done.append(now)
+        await asyncio.gather(*tasks)
     finally:
+        await producer.stop()
         await reader.stop()
         await worker.stop(grace_s=0)
+    return w
 
 
-async def settle(eng, timeout: float = 60.0) -> None:
-    """Wait until the engine holds no request, so each run starts from an idle engine."""
+async def vllm_run(eng, args, rt: bool, batch: bool, batch_priority: int) -> Window:
+    """Straight into the engine: the same requests, vLLM's scheduler alone decides."""
+    w, tag = Window(), uuid.uuid4().hex[:6]
+    n = int(args.rate * args.seconds) if rt else 0
+
+    async def one(rid: str, i: int, max_tokens: int, priority: int):
+        ids = eng.prompt_ids(Request(id=rid, prompt=prompt(i)))
+        async for _ in eng.generate(rid, ids, GenParams(max_tokens), priority):
+            pass
+
+    async def realtime():
+        start, tasks = time.monotonic(), []
+        for i in range(n):
+            await asyncio.sleep(max(0.0, start + i / args.rate - time.monotonic()))
+
+            async def timed(i=i, t0=time.monotonic()):
+                await one(f"{tag}-rt{i}", i, args.rt_tokens, 0)
+                w.rt[f"rt{i}"] = time.monotonic() - t0
+            tasks.append(asyncio.create_task(timed()))
+        await asyncio.gather(*tasks)
+
+    async def backlog():
+        await asyncio.sleep(args.backlog_after)
+        w.backlog_at = time.monotonic()
+
+        async def done(i):
+            await one(f"{tag}-bk{i}", 10_000 + i, args.batch_tokens, batch_priority)
+            w.batch_done.append(time.monotonic())
+        await asyncio.gather(*(done(i) for i in range(args.backlog)))
+
+    bt = asyncio.create_task(backlog()) if batch else None
+    rtt = asyncio.create_task(realtime())
+    await asyncio.sleep(args.seconds)
+    await asyncio.wait_for(rtt, args.timeout)
+    if bt is not None:
+        bt.cancel()  # the backlog outlasts the window: abort what is left
+        await asyncio.gather(bt, return_exceptions=True)
+    return w
+
+
+async def settle(eng, timeout: float = 120.0) -> None:
+    """Until the engine holds no request, so each run starts from an idle engine."""
     end = time.monotonic() + timeout
     while eng.unfinished() and time.monotonic() < end:
         await asyncio.sleep(0.1)
-    if eng.unfinished():
-        print(f"  engine still holds {eng.unfinished()} requests")
+    await asyncio.sleep(1)
 
 
-async def warm_up(eng) -> None:
-    """A few requests straight to the engine, so no run pays for first-use costs."""
-    from schemas import Request
-    from worker.engine import GenParams
-
-    async def one(i):
-        ids = eng.prompt_ids(Request(id="w", prompt=f"warm up {i}"))
-        async for _ in eng.generate(f"warm-{i}", ids, GenParams(16), 0):
-            pass
-
-    await asyncio.gather(*(one(i) for i in range(8)))
-
-
-def plot(results: dict[str, list[float]], path: Path) -> None:
+def plot(summary: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, vals in results.items():
-        xs = sorted(vals)
-        ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel("realtime end-to-end latency (s)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("Realtime latency: alone vs. saturating batch backlog")
-    ax.legend()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, row in summary.items():
+        if "p99_ratio" not in row:
+            continue
+        x, y = row["batch_kept"]["median"], row["p99_ratio"]["median"]
+        ax.errorbar(x, y, xerr=[[x - row["batch_kept"]["min"]], [row["batch_kept"]["max"] - x]],
+                    yerr=[[y - row["p99_ratio"]["min"]], [row["p99_ratio"]["max"] - y]],
+                    fmt="o" if name.startswith("sluice") else "s", capsize=3, label=name)
+    ax.axhline(1.2, color="grey", ls=":", lw=1)
+    ax.axvline(0.5, color="grey", ls=":", lw=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch throughput kept (loaded / alone)")
+    ax.set_ylabel("realtime p99 end-to-end, loaded / alone")
+    ax.set_title("Isolation frontier: lower right is better")
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 async def main(args) -> None:
-    s = common.settings()
+    s = common.settings(SLUICE_IGNORE_EOS="true")
     print("loading the engine ...")
     eng = await common.engine(s)
-    results = {}
-    await warm_up(eng)
+    caps = [int(c) for c in args.caps.split(",")]
+    runs = {"sluice rt alone": lambda: sluice_run(s, eng, args, True, False, None),
+            "sluice batch alone": lambda: sluice_run(s, eng, args, False, True, None),
+            **{f"sluice cap={c}": (lambda c=c: sluice_run(s, eng, args, True, True, c)) for c in caps},
+            "vllm rt alone": lambda: vllm_run(eng, args, True, False, 10),
+            "vllm batch alone": lambda: vllm_run(eng, args, False, True, 10),
+            "vllm priority": lambda: vllm_run(eng, args, True, True, 10),
+            "vllm fifo": lambda: vllm_run(eng, args, True, True, 0)}
+    results: dict[str, list[dict]] = {k: [] for k in runs}
     try:
-        for mode in ("classes", "fifo"):
-            for loaded in (False, True):
-                results[f"{mode} {'loaded' if loaded else 'alone'}"] = await run(s, eng, mode, loaded, args)
-                await settle(eng)
+        async def warm(i):
+            async for _ in eng.generate(f"warm-{i}", eng.prompt_ids(Request(id="w", prompt=prompt(i))), GenParams(16), 0):
+                pass
+        await asyncio.gather(*(warm(i) for i in range(8)))
+        order_all = harness.orders(list(runs), args.reps)
+        with tqdm(total=len(runs) * args.reps, desc="runs", unit="run") as bar:
+            for order in order_all:
+                for name in order:
+                    results[name].append((await runs[name]()).summary(args))
+                    await settle(eng)
+                    bar.update(1)
     finally:
         eng.shutdown()
-    print(f"\nrealtime {args.rate}/s for {args.seconds}s, {args.rt_tokens} tokens; backlog {args.backlog} x "
-          f"{args.batch_tokens} tokens; {common.machine()}; {common.today()}; rev {common.git_rev()}")
-    print(f"{'run':16s} {'p50 s':>7s} {'p99 s':>7s}")
-    summary = {}
-    for name, vals in results.items():
-        summary[name] = {"p50": percentile(vals, 50), "p99": percentile(vals, 99), "n": len(vals)}
-        print(f"{name:16s} {summary[name]['p50']:7.3f} {summary[name]['p99']:7.3f}")
-    for mode in ("classes", "fifo"):
-        a, b = summary[f"{mode} alone"], summary[f"{mode} loaded"]
-        summary[f"{mode} ratio"] = {"p50": b["p50"] / a["p50"], "p99": b["p99"] / a["p99"]}
-        print(f"{mode:7s} loaded/alone: p50 x{b['p50'] / a['p50']:.2f}  p99 x{b['p99'] / a['p99']:.2f}")
-    (OUT / "isolation.json").write_text(json.dumps({"args": vars(args), "summary": summary,
-                                                    "machine": common.machine(), "date": common.today()}, indent=2))
-    plot(results, OUT / "isolation.png")
+    summary: dict[str, dict] = {}
+    for name, rs in results.items():
+        row = {k: harness.spread([r[k] for r in rs]) for k in rs[0] if rs[0][k] is not None}
+        side = "sluice" if name.startswith("sluice") else "vllm"
+        if "rt_p99" in row and "batch_per_s" in row:  # a loaded run: against its side's alone runs
+            row["p99_ratio"] = harness.spread([r["rt_p99"] / a["rt_p99"]
+                                               for r, a in zip(rs, results[f"{side} rt alone"])])
+            row["batch_kept"] = harness.spread([r["batch_per_s"] / a["batch_per_s"]
+                                                for r, a in zip(rs, results[f"{side} batch alone"])])
+        summary[name] = row
+    print(f"\nrealtime {args.rate}/s for {args.seconds}s x {args.rt_tokens} tokens; backlog {args.backlog} x "
+          f"{args.batch_tokens} tokens landing at {args.backlog_after}s; ignore_eos; {args.reps} repetitions; "
+          f"{common.machine()}; {common.today()}; rev {common.git_rev()}")
+
+    def cell(row, key, fmt="{:.2f}"):
+        v = row.get(key)
+        return (fmt.format(v["median"]) + " [" + fmt.format(v["min"]) + "-" + fmt.format(v["max"]) + "]") if v else "-"
+
+    cols = ("rt_p50", "rt_p99", "batch_per_s", "tokens_per_s", "p99_ratio", "batch_kept")
+    print(f"{'run':20s}" + "".join(f"{c:>22s}" for c in cols))
+    for name, row in summary.items():
+        print(f"{name:20s}" + "".join(f"{cell(row, c):>22s}" for c in cols))
+    (OUT / "isolation.json").write_text(json.dumps({"args": vars(args), "summary": summary, "runs": results,
+                                                    "machine": common.machine(), "date": common.today(),
+                                                    "rev": common.git_rev()}, indent=2))
+    plot(summary, OUT / "isolation.png")
     print(f"wrote {OUT / 'isolation.json'} and {OUT / 'isolation.png'}")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rate", type=float, default=4.0, help="realtime requests per second")
-    p.add_argument("--seconds", type=float, default=40.0)
+    p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--rt-tokens", type=int, default=16)
     p.add_argument("--backlog", type=int, default=300)
     p.add_argument("--batch-tokens", type=int, default=64)
     p.add_argument("--backlog-after", type=float, default=3.0, help="seconds into the realtime stream")
+    p.add_argument("--caps", default="2,16,48", help="batch contended_in_engine values to sweep")
+    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=120.0)
     asyncio.run(main(p.parse_args()))

@@ -1,13 +1,20 @@
-"""The worker's own cost per request, with the engine replaced by one that answers at once.
+"""The worker's own cost per request, with an engine that takes a fixed time per token.
 
-    python bench/overhead.py [--requests 20000] [--profile]
+    python bench/overhead.py [--requests 20000] [--reps 3] [--token-ms 1] [--max-tokens 4] [--profile]
 
-Pre-publishes N non-streaming requests, then times one worker (decode -> admit ->
-fake engine -> done reply -> Redis answer -> commit) until every offset is
-committable. Reference in the same run: a bare aiokafka pipe that reads the same
-records and produces one reply each with no processing, the ceiling of the Kafka
-path on this machine. Prints requests/s of both and their ratio; `--profile`
-adds the hottest functions of the worker run.
+For each mode (non-streaming, then streaming) and repetition, N requests are published to a
+fresh standard topic, then two arms read them in a rotated order, each as its own consumer
+group, with the clock stopped when the group's committed offsets cover every record:
+
+  bare pipe  a bare aiokafka consumer that produces as many reply records per request as the
+             worker did (no decoding, no engine, no Redis), then commits: the ceiling of the
+             Kafka path on this machine
+  sluice     one `Worker` (decode -> admit -> engine -> token records -> done -> Redis answer ->
+             commit) on an engine that tokenizes prompts with the bundled model's tokenizer,
+             waits `--token-ms` per token and detokenizes what it emits (`TokenizingFakeEngine`)
+
+Prints requests/s per arm (median [min-max] over the repetitions) and the ratio; `--profile`
+adds the hottest functions of one extra profiled streaming run.
 """
 
 from __future__ import annotations
@@ -22,101 +29,172 @@ import uuid
 from pathlib import Path
 
 import msgspec
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import common  # noqa: E402
+from bench import common, harness  # noqa: E402
 from loadgen.burst import produce  # noqa: E402
 from worker import metrics  # noqa: E402
+from worker.engine import Delta  # noqa: E402
 from worker.fake_engine import FakeEngine  # noqa: E402
+from worker.prompt_tokens import encode_text  # noqa: E402
 from worker.worker import Worker  # noqa: E402
 
 
-async def publish(s, topic: str, n: int, tag: str) -> None:
+class TokenizingFakeEngine(FakeEngine):
+    """The fake engine's timing and token sequence, with the worker-process work a real engine adds:
+    prompts tokenized by the model's tokenizer, generated ids detokenized into text."""
+
+    def __init__(self, tokenizer, token_delay_s: float):
+        super().__init__(token_delay_s=token_delay_s)
+        self.tokenizer = tokenizer
+
+    def prompt_ids(self, request):
+        return encode_text(self.tokenizer, request.prompt or "")
+
+    async def generate(self, request_id, prompt_ids, params, priority):
+        async for d in super().generate(request_id, prompt_ids, params, priority):
+            ids = [100 + t for t in d.token_ids]  # ordinary vocabulary tokens
+            yield Delta(self.tokenizer.decode(ids), ids, d.finish_reason, d.logprobs)
+
+
+async def publish(s, topic: str, n: int, tag: str, stream: bool, max_tokens: int) -> None:
     items = [(topic, f"{tag}-{i}".encode(), msgspec.json.encode(
-        {"id": f"{tag}-{i}", "prompt": f"amount {i} USD, merchant grocery", "max_tokens": 4, "stream": False}), [])
-        for i in range(n)]
-    for k in tqdm(range(0, n, 2000), desc="publishing", unit="x2000", mininterval=2):
-        await produce(s.kafka.options(), items[k:k + 2000])
+        {"id": f"{tag}-{i}", "prompt": f"amount {i} USD, merchant grocery, country DE", "max_tokens": max_tokens,
+         "stream": stream}), []) for i in range(n)]
+    for k in range(0, n, 5000):
+        await produce(s.kafka.options(), items[k:k + 5000])
 
 
-async def bare_pipe(s, cat, n: int) -> float:
-    """Read n records, produce one reply each, commit: no decoding, no engine."""
-    consumer = AIOKafkaConsumer(cat.request_topic("standard").name, **s.kafka.options(),
-                                group_id=f"pipe-{uuid.uuid4().hex[:6]}", enable_auto_commit=False,
-                                auto_offset_reset="earliest", fetch_max_wait_ms=50)
+async def until_committed(s, group: str, tps: list[TopicPartition], n: int, desc: str, progress) -> float:
+    """Seconds until `group` has committed offsets covering n records; `progress()` counts for the bar."""
+    probe = AIOKafkaConsumer(**s.kafka.options(), group_id=group, enable_auto_commit=False)
+    await probe.start()
+    start = time.perf_counter()
+    try:
+        with tqdm(total=n, desc=desc, unit="req", mininterval=2) as bar:
+            while True:
+                bar.n = min(n, progress())
+                bar.refresh()
+                if bar.n >= n and sum([(await probe.committed(tp)) or 0 for tp in tps]) >= n:
+                    return time.perf_counter() - start
+                await asyncio.sleep(0.02)
+    finally:
+        await probe.stop()
+
+
+async def bare_pipe(s, cat, n: int, replies_per_request: int) -> float:
+    topic = cat.request_topic("standard").name
+    group = f"pipe-{uuid.uuid4().hex[:6]}"
+    consumer = AIOKafkaConsumer(topic, **s.kafka.options(), group_id=group, enable_auto_commit=False,
+                                auto_offset_reset="earliest", fetch_max_wait_ms=s.kafka.fetch_max_wait_ms)
     producer = AIOKafkaProducer(**s.kafka.options(), linger_ms=2)
     await consumer.start()
     await producer.start()
-    seen, start = 0, None
-    try:
-        while seen < n:
+    seen = 0
+
+    async def pump():
+        nonlocal seen
+        while True:
             batch = await consumer.getmany(timeout_ms=100, max_records=500)
-            start = start or (time.perf_counter() if batch else None)
             futs = []
             for recs in batch.values():
                 for r in recs:
-                    futs.append(await producer.send(cat.replies.name, b'{"type":"done"}', key=r.key))
+                    for _ in range(replies_per_request):
+                        futs.append(await producer.send(cat.replies.name, b'{"type":"done"}', key=r.key))
             await asyncio.gather(*futs)
-            seen += len(futs)
+            seen += sum(map(len, batch.values()))
             if batch:
                 await consumer.commit()
-        return n / (time.perf_counter() - start)
+
+    task = asyncio.create_task(pump())
+    try:
+        while not consumer.assignment():
+            await asyncio.sleep(0.01)
+        tps = sorted(consumer.assignment())
+        return n / await until_committed(s, group, tps, n, "bare pipe", lambda: seen)
     finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         await consumer.stop()
         await producer.stop()
 
 
-async def sluice_worker(s, cat, n: int, profile: bool) -> tuple[float, pstats.Stats | None]:
-    fresh = s.override(group_id=f"ovh-{uuid.uuid4().hex[:6]}",
-                                    redis_key_prefix=f"ovh-{uuid.uuid4().hex[:6]}")  # nothing answered yet
-    worker = Worker(fresh, cat, FakeEngine())
-    done = lambda: metrics.requests_completed.labels("standard", "length")._value.get()  # noqa: E731
-    before = done()
+async def sluice_worker(s, cat, n: int, engine, profile: bool = False) -> tuple[float, float, pstats.Stats | None]:
+    """(requests/s, reply records per request, profile)"""
+    group = f"ovh-{uuid.uuid4().hex[:6]}"
+    fresh = s.override(group_id=group, redis_key_prefix=f"ovh-{uuid.uuid4().hex[:6]}")  # nothing answered yet
+    worker = Worker(fresh, cat, engine)
+    done = lambda: sum(metrics.requests_completed.labels("standard", r)._value.get()  # noqa: E731
+                       for r in ("length", "stop"))
+    replies = lambda: sum(metrics.reply_records.labels(t)._value.get() for t in ("token", "done"))  # noqa: E731
+    before, replies_before = done(), replies()
     prof = cProfile.Profile() if profile else None
     await worker.start()
     try:
-        while metrics.records_consumed.labels("standard")._value.get() == 0 and not worker.consumer.assignment():
+        while not worker.consumer.assignment():
             await asyncio.sleep(0.01)
-        start = time.perf_counter()
+        tps = sorted(tp for tp in worker.consumer.assignment() if tp.topic == cat.request_topic("standard").name)
         if prof:
             prof.enable()
-        with tqdm(total=n, desc="sluice worker", unit="req", mininterval=2) as bar:
-            last = 0
-            while done() - before < n:
-                await asyncio.sleep(0.05)
-                bar.update(int(done() - before) - last)
-                last = int(done() - before)
-        elapsed = time.perf_counter() - start
+        seconds = await until_committed(s, group, tps, n, "sluice worker", lambda: int(done() - before))
         if prof:
             prof.disable()
-        return n / elapsed, (pstats.Stats(prof) if prof else None)
+        return n / seconds, (replies() - replies_before) / n, (pstats.Stats(prof) if prof else None)
     finally:
         await worker.stop()
 
 
 async def main(args) -> None:
+    from transformers import AutoTokenizer
+
     s = common.settings()
-    n = args.requests
-    cat = await common.fresh_catalog(s, "ovh")
-    await publish(s, cat.request_topic("standard").name, n, uuid.uuid4().hex[:6])
-    pipe = await bare_pipe(s, cat, n)
-    rate, _ = await sluice_worker(s, cat, n, profile=False)
-    # Profiling slows the run several-fold, so it gets a run of its own over the same records.
-    stats = (await sluice_worker(s, cat, n, profile=True))[1] if args.profile else None
-    print(f"\n{n} non-streaming requests, fake engine, {args.loop}; {common.machine()}; {common.today()}; rev {common.git_rev()}")
-    print(f"bare aiokafka pipe   {pipe:8.0f} req/s")
-    print(f"sluice worker        {rate:8.0f} req/s")
-    print(f"sluice / bare pipe   {rate / pipe:8.2f}")
-    if stats:
-        print("\nhottest functions of a second, profiled worker run (own time):")
+    engine = TokenizingFakeEngine(AutoTokenizer.from_pretrained(s.engine.model), args.token_ms / 1000)
+    n, results = args.requests, {}
+    for stream in (False, True):
+        mode = "streaming" if stream else "non-streaming"
+        rates = {"bare pipe": [], "sluice": []}
+        per_request = 1.0
+        for rep, order in enumerate(harness.orders(["sluice", "bare pipe"], args.reps)):
+            cat = await common.fresh_catalog(s, "ovh")
+            await publish(s, cat.request_topic("standard").name, n, uuid.uuid4().hex[:6], stream, args.max_tokens)
+            for arm in order:
+                if arm == "sluice":
+                    rate, per_request, _ = await sluice_worker(s, cat, n, engine)
+                else:
+                    rate = await bare_pipe(s, cat, n, max(1, round(per_request)))
+                rates[arm].append(rate)
+        results[mode] = {"rates": {k: harness.spread(v) for k, v in rates.items()},
+                         "ratio": harness.spread([a / b for a, b in zip(rates["sluice"], rates["bare pipe"])]),
+                         "reply_records_per_request": per_request}
+    print(f"\n{n} requests x {args.max_tokens} tokens, {args.token_ms} ms per token, real tokenizer, clock stopped at "
+          f"the committed offsets, {args.reps} repetitions in rotated order, {args.loop}; {common.machine()}; "
+          f"{common.today()}; rev {common.git_rev()}")
+    for mode, r in results.items():
+        print(f"{mode} ({r['reply_records_per_request']:.1f} reply records per request):")
+        for arm, v in r["rates"].items():
+            print(f"  {arm:10s} {v['median']:8.0f} req/s  [{v['min']:.0f}-{v['max']:.0f}]")
+        print(f"  sluice / bare pipe {r['ratio']['median']:.2f}  [{r['ratio']['min']:.2f}-{r['ratio']['max']:.2f}]")
+    out = Path(__file__).resolve().parent / "overhead.json"
+    out.write_text(msgspec.json.format(msgspec.json.encode(
+        {"args": vars(args), "results": results, "machine": common.machine(), "date": common.today(),
+         "rev": common.git_rev()}), indent=2).decode())
+    print(f"wrote {out}")
+    if args.profile:
+        cat = await common.fresh_catalog(s, "ovh")
+        await publish(s, cat.request_topic("standard").name, n, uuid.uuid4().hex[:6], True, args.max_tokens)
+        stats = (await sluice_worker(s, cat, n, engine, profile=True))[2]
+        print("\nhottest functions of a profiled streaming run (own time):")
         stats.sort_stats("tottime").print_stats(15)
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=20000)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--token-ms", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop",
                    help="event loop; `sluice worker` runs on uvloop when it is installed")

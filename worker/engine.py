@@ -90,6 +90,19 @@ def engine_args(config, dtype: str) -> dict:
     return args
 
 
+def describe_config(vllm_config) -> dict:
+    """The engine configuration vLLM resolved (after its defaults for the device), as plain data:
+    logged at start-up, and what benchmark arms compare before their ratios mean anything."""
+    model, sched, cache = vllm_config.model_config, vllm_config.scheduler_config, vllm_config.cache_config
+    return {"dtype": str(model.dtype).removeprefix("torch."), "max_model_len": model.max_model_len,
+            "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "chunked_prefill": bool(sched.enable_chunked_prefill), "scheduling_policy": str(sched.policy),
+            "prefix_caching": bool(cache.enable_prefix_caching), "block_size": cache.block_size,
+            "kv_cache_dtype": str(cache.cache_dtype), "enforce_eager": bool(model.enforce_eager),
+            "kv_connector": (vllm_config.kv_transfer_config.kv_connector
+                             if vllm_config.kv_transfer_config is not None else None)}
+
+
 def compile_env(config) -> dict[str, str]:
     """Environment for the engine's processes (they inherit it when spawned)."""
     return {"VLLM_USE_AOT_COMPILE": "0"} if config.compile_mode == "graph-cache" else {}
@@ -209,6 +222,7 @@ class VllmEngine:
             # A template that rewrites contents would make every chat request unsafe: refuse to start.
             encode_chat(self._tokenizer, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
         self.max_model_len = self._llm.model_config.max_model_len
+        self.resolved = describe_config(self._llm.vllm_config)
 
     def prompt_ids(self, request: Request) -> list[int]:
         """Producer text never becomes control tokens (`worker/prompt_tokens.py`)."""
@@ -237,6 +251,7 @@ class VllmEngine:
             top_p=params.top_p,
             seed=params.seed,
             stop=list(params.stop) or None,
+            ignore_eos=self.config.ignore_eos,
             output_kind=self._delta,
             logprob_token_ids=list(params.logprob_token_ids) or None,
             extra_args=({"kv_transfer_params": {"sluice": {"tenant": params.tenant, "save": params.save_pages}}}

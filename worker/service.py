@@ -71,6 +71,9 @@ async def run_worker(settings: Settings, catalog: Catalog, engine=None, **client
 
             log.info("engine_loading", model=settings.engine.model, device=settings.engine.device)
             engine = await asyncio.to_thread(VllmEngine, settings)
+            log.info("engine_ready", **engine.resolved)
+            if settings.engine.ignore_eos:
+                log.warning("ignore_eos", note="benchmark setting: every request runs to max_tokens (SLUICE_IGNORE_EOS)")
         worker = Worker(settings, catalog, engine, **clients)
         await worker.start()
         rc = await worker.run_until(stop)

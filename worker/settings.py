@@ -159,6 +159,9 @@ class EngineSettings(_Section):
     # cache); `graph-cache` turns the AOT cache off for vLLM's per-graph compile cache; `eager` skips
     # compilation (fastest start, slower steps). See bench/cold_start.py.
     compile_mode: Literal["auto", "graph-cache", "eager"] = "auto"
+    # Benchmarks only: every request generates its max_tokens, as vLLM's `ignore_eos`, so arms that are
+    # compared do the same work. Never in production: answers would run past their end.
+    ignore_eos: bool = False
 
 
 class StreamSettings(_Section):

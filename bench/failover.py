@@ -1,0 +1,223 @@
+"""A worker SIGKILLed mid-stream: how long until its request streams again, with KV pages and without.
+
+    python bench/failover.py [--reps 3] [--prompt-tokens 1500] [--max-tokens 96]
+
+Two modes, each a pair of `sluice worker` processes in one consumer group on its own topics:
+  pages      KV pages in Redis on: the survivor loads the prefix (prompt + tokens already sent)
+  recompute  KV pages off: the survivor computes the prefix again
+Each repetition sends one long streaming request to a pair, waits until its first tokens have
+arrived, SIGKILLs the worker that owns it (its whole process group: no drain, no commit), and
+times, on the client's clock:
+  detect     kill -> the survivor's `partitions_assigned` (the group noticed: session timeout,
+             rebalance)
+  resume     assignment -> the first token record after the kill (progress lookup, pages loaded
+             or prefix recomputed, one decode step)
+  first      kill -> first token after the kill (the two above)
+  done       kill -> the `done` record
+The killed worker is restarted and the pair settles before the next repetition; modes alternate.
+Both modes run with the same engine settings and binding (checked from the logs); the stream
+must come out whole (gapless seqs, one done). Writes bench/failover.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+
+import msgspec
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import topics  # noqa: E402
+from bench import common, harness  # noqa: E402
+from bench.resume import long_prompt  # noqa: E402
+from loadgen.burst import ReplyReader, produce  # noqa: E402
+from schemas import DoneReply, ErrorReply, TokenReply  # noqa: E402
+from topics.admin import apply  # noqa: E402
+
+OUT = Path(__file__).resolve().parent
+
+
+class Pair:
+    """Two workers of one mode: same group, same topics, same settings."""
+
+    def __init__(self, s, args, mode: str):
+        self.s, self.args, self.mode = s, args, mode
+        prefix = f"fo{mode[:2]}{uuid.uuid4().hex[:6]}."
+        self.topics_file = OUT / f".failover-{mode}.topics.toml"
+        self.topics_file.write_text((ROOT / "topics" / "default.toml").read_text()
+                                    .replace('name = "sluice.', f'name = "{prefix}sluice.'))
+        self.cat = topics.load(self.topics_file)
+        _, engine_env = common.bench_engine_settings(args, SLUICE_KV_PAGES=str(mode == "pages").lower())
+        self.env = {**os.environ, **engine_env, common.RESERVED_CPUS_ENV: str(args.reserved_cpus),
+                    "SLUICE_TOPICS_FILE": str(self.topics_file), "SLUICE_KAFKA_IDEMPOTENCE": "false",
+                    "SLUICE_GROUP_ID": f"fo-{mode}-{uuid.uuid4().hex[:6]}", "SLUICE_LOG_LEVEL": "info",
+                    "SLUICE_METRICS_HOST": "127.0.0.1", "SLUICE_COMPILE_MODE": args.compile_mode,
+                    "SLUICE_REDIS_KEY_PREFIX": f"fo-{mode}-{uuid.uuid4().hex[:6]}"}
+        self.procs: dict[str, tuple[subprocess.Popen, int, Path]] = {}
+        self.starts = 0
+
+    async def start(self, name: str) -> None:
+        port = common.free_port()
+        self.starts += 1
+        log = OUT / f".failover-{self.mode}-{name}-{self.starts}.log"
+        proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"],
+                                env={**self.env, "SLUICE_METRICS_PORT": str(port)}, cwd=ROOT,
+                                stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = (proc, port, log)
+        await common.wait_http(f"http://127.0.0.1:{port}/readyz", proc)
+
+    async def tokens_generated(self, name: str) -> float:
+        import aiohttp
+
+        _, port, _ = self.procs[name]
+        async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/metrics") as r:
+            text = await r.text()
+        return sum(float(m) for m in re.findall(r'^sluice_tokens_generated_total\{[^}]*\} (\S+)', text, re.M))
+
+    def stop(self) -> None:
+        for proc, _, _ in self.procs.values():
+            if proc.poll() is None:
+                common.stop_process(proc, 30)
+        self.topics_file.unlink(missing_ok=True)
+
+
+def assigned_after(log: Path, t_kill: float) -> float | None:
+    """Wall-clock time of the first `partitions_assigned` the survivor logged after the kill."""
+    for line in log.read_text(errors="replace").splitlines():
+        if '"partitions_assigned"' in line:
+            ts = datetime.fromisoformat(json.loads(line)["timestamp"].replace("Z", "+00:00")).timestamp()
+            if ts > t_kill:
+                return ts
+    return None
+
+
+async def one_failover(pair: Pair, rep: int, prompt: str) -> dict:
+    s = pair.s
+    reader = ReplyReader(s.kafka.options(), pair.cat.replies.name)
+    await reader.start()
+    rid = f"fo-{pair.mode}-{rep}-{uuid.uuid4().hex[:6]}"
+    tokens: dict[int, list[int]] = {}
+    before = {n: await pair.tokens_generated(n) for n in pair.procs}
+    try:
+        await produce(s.kafka.options(), [(pair.cat.request_topic("standard").name, rid.encode(), msgspec.json.encode(
+            {"id": rid, "prompt": prompt, "max_tokens": pair.args.max_tokens}), [])])
+        t_kill = victim = t_first = t_done = None
+        seq_at_kill = 0
+        end = time.monotonic() + 900
+        while t_done is None and time.monotonic() < end:
+            async for r in reader.records(timeout_ms=50):
+                if r.id != rid:
+                    continue
+                now = time.time()
+                if isinstance(r, TokenReply):
+                    tokens[r.seq] = r.token_ids
+                    if t_kill is not None and t_first is None:
+                        t_first = now
+                elif isinstance(r, DoneReply):
+                    t_done, done = now, r
+                elif isinstance(r, ErrorReply):
+                    raise SystemExit(f"{pair.mode}: error reply {r}")
+            if t_kill is None and len(tokens) >= 2:
+                grew = {n: await pair.tokens_generated(n) - before[n] for n in pair.procs}
+                victim = max(grew, key=grew.get)
+                proc = pair.procs[victim][0]
+                os.killpg(proc.pid, signal.SIGKILL)  # the worker and its engine: a machine gone
+                t_kill, seq_at_kill = time.time(), max(tokens)
+                proc.wait()
+        if t_done is None:
+            raise SystemExit(f"{pair.mode}: no done within 900 s")
+    finally:
+        await reader.stop()
+    survivor = next(n for n in pair.procs if n != victim)
+    t_assigned = assigned_after(pair.procs[survivor][2], t_kill)
+    if sorted(tokens) != list(range(done.seq)):
+        raise SystemExit(f"{pair.mode}: the stream has gaps: {sorted(tokens)} for done.seq {done.seq}")
+    await pair.start(victim)  # back to two workers for the next repetition
+    await asyncio.sleep(pair.args.settle_s)
+    return {"seq_at_kill": seq_at_kill, "detect_s": (t_assigned - t_kill) if t_assigned else None,
+            "resume_s": (t_first - t_assigned) if t_assigned else None, "first_s": t_first - t_kill,
+            "done_s": t_done - t_kill, "tokens": sum(map(len, tokens.values()))}
+
+
+async def main(args) -> None:
+    from transformers import AutoTokenizer
+
+    s = common.settings()
+    args.model = args.model or s.engine.model
+    tok = AutoTokenizer.from_pretrained(args.model)
+    pairs = {m: Pair(s, args, m) for m in ("pages", "recompute")}
+    runs: dict[str, list[dict]] = {m: [] for m in pairs}
+    try:
+        for pair in pairs.values():
+            await apply(s.kafka.options(), pair.cat)
+            for name in ("a", "b"):
+                print(f"{pair.mode}: starting worker {name} ...", flush=True)
+                await pair.start(name)
+        await asyncio.sleep(args.settle_s)
+        reports = {f"{m}-{n}": harness.arm_report(p.procs[n][2].read_text(errors="replace"))
+                   for m, p in pairs.items() for n in p.procs}
+        harness.check_alike(reports)
+        for rep, order in enumerate(harness.orders(list(pairs), args.reps)):
+            prompt = tok.decode(long_prompt(tok, 1000 + rep, args.prompt_tokens))
+            for mode in order:
+                r = await one_failover(pairs[mode], rep, prompt)
+                runs[mode].append(r)
+                print(f"rep {rep} {mode:9s} killed after {r['seq_at_kill'] + 1} token records: detect "
+                      f"{r['detect_s']:.2f} s, resume {r['resume_s']:.2f} s, first token {r['first_s']:.2f} s, "
+                      f"done {r['done_s']:.2f} s", flush=True)
+    finally:
+        for p in pairs.values():
+            p.stop()
+    summary = {m: {k: harness.spread([r[k] for r in rs]) for k in ("detect_s", "resume_s", "first_s", "done_s")}
+               for m, rs in runs.items()}
+    ratio = harness.spread([a["first_s"] / b["first_s"] for a, b in zip(runs["pages"], runs["recompute"])])
+    resume_ratio = harness.spread([a["resume_s"] / b["resume_s"] for a, b in zip(runs["pages"], runs["recompute"])])
+    print(f"\nSIGKILL mid-stream, ~{args.prompt_tokens}-token prompt, {args.max_tokens} tokens, session timeout "
+          f"{s.group.session_timeout_ms} ms (heartbeat a third of it), compile mode {args.compile_mode}, "
+          f"{args.reps} repetitions alternating; {common.machine()}; {common.today()}; rev {common.git_rev()}")
+    first = next(iter(reports.values()))
+    print("every worker: " + ", ".join(f"{k}={first[k]}" for k in harness.COMPARED))
+    print(f"{'mode':10s}" + "".join(f"{k:>24s}" for k in ("detect s", "resume s", "kill->first token s", "kill->done s")))
+    for m, row in summary.items():
+        print(f"{m:10s}" + "".join(f"{v['median']:>10.2f} [{v['min']:.2f}-{v['max']:.2f}]".rjust(24)
+                                   for v in row.values()))
+    print(f"kill -> first resumed token, pages / recompute: {ratio['median']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}]")
+    print(f"assignment -> first resumed token, pages / recompute: {resume_ratio['median']:.3f} "
+          f"[{resume_ratio['min']:.3f}-{resume_ratio['max']:.3f}]")
+    (OUT / "failover.json").write_text(json.dumps(
+        {"args": vars(args), "workers": reports, "runs": runs, "summary": summary, "ratio_first": ratio,
+         "ratio_resume": resume_ratio, "session_timeout_ms": s.group.session_timeout_ms,
+         "machine": common.machine(), "date": common.today(), "rev": common.git_rev()}, indent=2))
+    print(f"wrote {OUT / 'failover.json'}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=int, default=1500)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--settle-s", type=float, default=8.0, help="after a (re)start, for the group to settle")
+    p.add_argument("--compile-mode", default="graph-cache", choices=["auto", "graph-cache", "eager"],
+                   help="SLUICE_COMPILE_MODE of every worker (graph-cache: restarts load the compiled graphs)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-gib", type=int, default=1)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--reserved-cpus", type=int, default=0)
+    p.add_argument("--model", default=None)
+    return p
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parser().parse_args()))
