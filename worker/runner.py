@@ -85,8 +85,10 @@ def _now_ms() -> int:
 class Runner:
     def __init__(self, engine: Engine, emitter: Emitter, answers: AnswerStore, limits: Limits, running,
                  chunk_tokens: int = 1, chunk_ms: int = 0, release_slot=lambda job: None,
-                 templates: Templates | None = None, replies: Replies | None = None, on_progress=lambda: None):
+                 templates: Templates | None = None, replies: Replies | None = None, on_progress=lambda: None,
+                 save_min_tokens: int = 0):
         self.engine, self.emitter, self.answers, self.limits = engine, emitter, answers, limits
+        self.save_min_tokens = save_min_tokens
         self.templates = templates or Templates()
         self.release_slot = release_slot  # the engine slot is free once generation ends
         self.replies = replies or Replies(emitter, answers, None, running)
@@ -193,8 +195,11 @@ class Runner:
                              unchecked=not job.checked)
         want_scores = bool(job.label_ids) and job.scores is None
         scores_only = req.kind == "score" and not req.max_tokens
+        # pages are the insurance of long requests: a short one is recomputed on resume (`save_min_tokens`)
+        long_enough = len(job.prompt_ids) + len(job.generated) + remaining >= self.save_min_tokens
         params = GenParams(remaining, params.temperature, params.top_p, params.seed, params.stop,
-                           job.label_ids if want_scores else (), tenant=job.tenant, save_pages=not scores_only)
+                           job.label_ids if want_scores else (), tenant=job.tenant,
+                           save_pages=long_enough and not scores_only)
         chunk = _Chunk(self, job) if req.stream and not scores_only else None
         prefix_len = len(job.prompt_ids) + len(job.generated)  # this segment's prompt, as the engine sees it
         try:

@@ -134,6 +134,10 @@ class KvSettings(_Section):
     # KV pages in Redis Cluster: requests continue on another worker without recomputing their prefix
     pages: bool = True
     ttl_s: Positive = 3600
+    # Pages are saved only for requests whose prompt + max_tokens reaches this many tokens: a shorter
+    # one is cheap to recompute on resume, and saving every page costs throughput (bench/compare.py's
+    # sluice+kv arm). 0 saves every request's pages. Pages saved earlier are still loaded either way.
+    save_min_tokens: NonNegative = 0
 
 
 class EngineSettings(_Section):

@@ -111,7 +111,7 @@ class Worker:
         self.runner = Runner(engine, self.emitter, self.answers, settings.limits, self.is_running,
                              settings.stream.chunk_tokens, settings.stream.chunk_ms, self.dispatch.release_slot,
                              Templates(settings.worker.templates_dir), replies=self.replies,
-                             on_progress=self.liveness.engine_moved)
+                             on_progress=self.liveness.engine_moved, save_min_tokens=settings.kv.save_min_tokens)
         self.dispatch.runner, self.dispatch.replies = self.runner, self.replies
         self.intake = Intake(self.consumer, RequestCodec(settings.limits), self.tracker, self.dispatch, self.replies,
                              self.answers, self.liveness, catalog.replies.name, settings.kafka.fetch_max_wait_ms,

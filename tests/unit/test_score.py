@@ -89,3 +89,29 @@ async def test_bad_score_requests_get_an_error_naming_the_problem(fields, needle
     assert isinstance(out.answer, ErrorReply) and out.answer.code == ErrorCode.INVALID_REQUEST
     assert needle in out.answer.message
     assert engine.started == []
+
+
+class RecordingEngine(FakeEngine):
+    """Keeps the parameters each generation got."""
+
+    def __init__(self):
+        super().__init__()
+        self.params = []
+
+    async def generate(self, request_id, prompt_ids, params, priority):
+        self.params.append(params)
+        async for d in super().generate(request_id, prompt_ids, params, priority):
+            yield d
+
+
+@pytest.mark.parametrize("save_min_tokens, max_tokens, saved", [
+    (0, 4, True),  # the default: every request's pages
+    (64, 4, False),  # a short request is recomputed on resume instead
+    (64, 200, True),  # prompt + max_tokens reaches the threshold
+])
+async def test_pages_are_saved_for_requests_long_enough_to_be_worth_it(save_min_tokens, max_tokens, saved):
+    engine = RecordingEngine()
+    runner = Runner(engine, Collect(), NoAnswers(), Limits(), running=lambda: True, save_min_tokens=save_min_tokens)
+    req = Request(id="p1", prompt="twelve bytes", max_tokens=max_tokens)
+    await runner.serve(Job(req, "standard", 5, "replies", None, 0, 0))
+    assert [p.save_pages for p in engine.params] == [saved]
