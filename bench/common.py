@@ -68,7 +68,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-async def wait_http(url: str, proc, timeout: float = 600) -> None:
+async def wait_http(url: str, proc, timeout: float = 600, poll_s: float = 1.0) -> None:
     """Until `url` answers 200; fails early if `proc` exits."""
     import aiohttp
 
@@ -83,7 +83,7 @@ async def wait_http(url: str, proc, timeout: float = 600) -> None:
                         return
             except aiohttp.ClientError:
                 pass
-            await asyncio.sleep(1)
+            await asyncio.sleep(poll_s)
     raise TimeoutError(url)
 
 

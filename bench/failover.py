@@ -66,6 +66,7 @@ class Pair:
                     "SLUICE_REDIS_KEY_PREFIX": f"fo-{mode}-{uuid.uuid4().hex[:6]}"}
         self.procs: dict[str, tuple[subprocess.Popen, int, Path]] = {}
         self.starts = 0
+        self.ready_s: list[float] = []  # process start -> /readyz 200, per start
 
     async def start(self, name: str) -> None:
         port = common.free_port()
@@ -75,7 +76,9 @@ class Pair:
                                 env={**self.env, "SLUICE_METRICS_PORT": str(port)}, cwd=ROOT,
                                 stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = (proc, port, log)
-        await common.wait_http(f"http://127.0.0.1:{port}/readyz", proc)
+        t0 = time.monotonic()
+        await common.wait_http(f"http://127.0.0.1:{port}/readyz", proc, poll_s=0.2)
+        self.ready_s.append(time.monotonic() - t0)
 
     async def tokens_generated(self, name: str) -> float:
         import aiohttp
@@ -195,9 +198,15 @@ async def main(args) -> None:
     print(f"kill -> first resumed token, pages / recompute: {ratio['median']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}]")
     print(f"assignment -> first resumed token, pages / recompute: {resume_ratio['median']:.3f} "
           f"[{resume_ratio['min']:.3f}-{resume_ratio['max']:.3f}]")
+    # the first two starts of each pair compiled side by side; the later ones are restarts beside an idle worker
+    restarts = [t for p in pairs.values() for t in p.ready_s[2:]]
+    firsts = [t for p in pairs.values() for t in p.ready_s[:2]]
+    print(f"worker start to ready ({args.compile_mode}): first starts (two at a time) "
+          + ", ".join(f"{t:.1f}" for t in firsts) + " s; restarts " + ", ".join(f"{t:.1f}" for t in restarts) + " s")
     (OUT / "failover.json").write_text(json.dumps(
         {"args": vars(args), "workers": reports, "runs": runs, "summary": summary, "ratio_first": ratio,
          "ratio_resume": resume_ratio, "session_timeout_ms": s.group.session_timeout_ms,
+         "ready_s": {m: p.ready_s for m, p in pairs.items()},
          "machine": common.machine(), "date": common.today(), "rev": common.git_rev()}, indent=2))
     print(f"wrote {OUT / 'failover.json'}")
 
