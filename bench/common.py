@@ -226,6 +226,7 @@ class ChildArm:
             line = raw.decode(errors="replace")
             self.log.write(line)
             self.log.flush()
+            line = line.rsplit("\r", 1)[-1]  # after a progress bar's carriage returns
             if line.startswith(prefix):
                 return line
 

@@ -54,11 +54,11 @@ def events_for(rep: int, n: int) -> list[dict]:
     return transactions(n, seed=100 + rep)
 
 
-async def steady(n: int, rate: float, one) -> list:
+async def steady(n: int, rate: float, one, desc: str | None = None) -> list:
     """Start `one(i)` for i in range(n) at `rate` per second; gather their results."""
     t0 = time.monotonic()
     tasks = []
-    with tqdm(total=n, unit="req", mininterval=2, leave=False) as bar:
+    with tqdm(total=n, unit="req", mininterval=2, desc=desc, disable=desc is None) as bar:
         for i in range(n):
             await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
             task = asyncio.create_task(one(i))
@@ -182,7 +182,8 @@ class SluiceArm:
     async def run(self, rep: int) -> dict:
         evs = events_for(rep, self.args.n)
         tag = uuid.uuid4().hex[:6]
-        res = await steady(len(evs), self.args.rate, lambda i: self._score(evs[i], f"{tag}-{rep}-{i}"))
+        res = await steady(len(evs), self.args.rate, lambda i: self._score(evs[i], f"{tag}-{rep}-{i}"),
+                           desc=f"{self.name} rep {rep}")
         return {"latency_s": [r["latency_s"] for r in res], "worker_s": [r["worker_s"] for r in res],
                 "reply_s": [r["reply_s"] for r in res], "scores": {evs[i]["id"]: r["scores"] for i, r in enumerate(res)}}
 
