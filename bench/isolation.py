@@ -18,8 +18,9 @@ seconds in and outlasts the window. Runs:
                          priority scheduling alone
   vllm fifo              both straight into the engine, one priority: first come, first served
 
-For each: realtime end-to-end p50/p99, batch requests completed per second over the window after
-the backlog lands, and engine output tokens per second. The frontier (realtime p99 loaded/alone
+For each: realtime end-to-end p50/p99, batch tokens generated per second from the backlog's landing
+to the end of the realtime stream, and all engine output tokens per second over the run (counted
+at the engine, so requests that finish together in bursts are measured fairly). The frontier (realtime p99 loaded/alone
 against the batch throughput kept, loaded/alone) is plotted to bench/isolation.png; medians over
 `--reps` repetitions (runs rotated) in bench/isolation.json.
 """
@@ -58,26 +59,44 @@ def body(rid: str, i: int, max_tokens: int, stream: bool = True) -> bytes:
     return msgspec.json.encode({"id": rid, "max_tokens": max_tokens, "stream": stream, "prompt": prompt(i)})
 
 
-class Window:
-    """Realtime latencies and batch completions (with their times) of one run."""
+class CountingEngine:
+    """The engine, counting the tokens it generates (time, batch or not, how many): batch throughput is
+    measured in engine tokens, since requests that run in lockstep finish in bursts."""
 
-    def __init__(self):
+    def __init__(self, eng):
+        self.eng, self.events = eng, []
+
+    def __getattr__(self, name):
+        return getattr(self.eng, name)
+
+    async def generate(self, request_id, prompt_ids, params, priority):
+        batch = "-bk" in request_id
+        async for d in self.eng.generate(request_id, prompt_ids, params, priority):
+            self.events.append((time.monotonic(), batch, len(d.token_ids)))
+            yield d
+
+
+class Window:
+    """Realtime latencies of one run, and when its backlog landed."""
+
+    def __init__(self, eng: CountingEngine):
+        self.eng, self.first_event = eng, len(eng.events)
         self.rt: dict[str, float] = {}
-        self.batch_done: list[float] = []
         self.backlog_at: float | None = None
-        self.rt_end: float | None = None
+        self.start = time.monotonic()
 
     def summary(self, args) -> dict:
         lat = list(self.rt.values())
         out = {"rt_p50": percentile(lat, 50) if lat else None, "rt_p99": percentile(lat, 99) if lat else None,
                "rt_n": len(lat)}
+        events = self.eng.events[self.first_event:]
+        end = self.start + args.seconds
+        out["tokens_per_s"] = sum(n for t, _, n in events if self.start <= t <= end) / args.seconds
         if self.backlog_at is not None:
-            # batch throughput over the realtime stream's remaining time (or the same span when alone)
+            # batch tokens from the backlog's landing to the end of the realtime stream (the same span alone)
             span_end = self.backlog_at + (args.seconds - args.backlog_after)
-            done = sum(1 for t in self.batch_done if self.backlog_at <= t <= span_end)
-            out["batch_per_s"] = done / (span_end - self.backlog_at)
-        rt_tokens = len(lat) * args.rt_tokens / args.seconds
-        out["tokens_per_s"] = rt_tokens + out.get("batch_per_s", 0) * args.batch_tokens
+            out["batch_tok_per_s"] = sum(n for t, b, n in events if b and self.backlog_at <= t <= span_end) / (
+                span_end - self.backlog_at)
         return out
 
 
@@ -94,7 +113,7 @@ async def sluice_run(s, eng, args, rt: bool, batch: bool, cap: int | None) -> Wi
         await asyncio.sleep(0.1)
     reader = ReplyReader(s.kafka.options(), cat.replies.name)
     await reader.start()
-    w, sent = Window(), {}
+    w, sent = Window(eng), {}
     producer = AIOKafkaProducer(**s.kafka.options(), linger_ms=0)
     await producer.start()
     n = int(args.rate * args.seconds) if rt else 0
@@ -125,8 +144,6 @@ async def sluice_run(s, eng, args, rt: bool, batch: bool, cap: int | None) -> Wi
                 now = time.monotonic()
                 if r.id in sent and r.id not in w.rt:
                     w.rt[r.id] = now - sent[r.id]
-                elif r.id.startswith(f"{tag}-bk"):
-                    w.batch_done.append(now)
         await asyncio.gather(*tasks)
     finally:
         await producer.stop()
@@ -137,7 +154,7 @@ async def sluice_run(s, eng, args, rt: bool, batch: bool, cap: int | None) -> Wi
 
 async def vllm_run(eng, args, rt: bool, batch: bool, batch_priority: int) -> Window:
     """Straight into the engine: the same requests, vLLM's scheduler alone decides."""
-    w, tag = Window(), uuid.uuid4().hex[:6]
+    w, tag = Window(eng), uuid.uuid4().hex[:6]
     n = int(args.rate * args.seconds) if rt else 0
 
     async def one(rid: str, i: int, max_tokens: int, priority: int):
@@ -160,10 +177,8 @@ async def vllm_run(eng, args, rt: bool, batch: bool, batch_priority: int) -> Win
         await asyncio.sleep(args.backlog_after)
         w.backlog_at = time.monotonic()
 
-        async def done(i):
-            await one(f"{tag}-bk{i}", 10_000 + i, args.batch_tokens, batch_priority)
-            w.batch_done.append(time.monotonic())
-        await asyncio.gather(*(done(i) for i in range(args.backlog)))
+        await asyncio.gather(*(one(f"{tag}-bk{i}", 10_000 + i, args.batch_tokens, batch_priority)
+                               for i in range(args.backlog)))
 
     bt = asyncio.create_task(backlog()) if batch else None
     rtt = asyncio.create_task(realtime())
@@ -212,7 +227,7 @@ def plot(summary: dict, path: Path) -> None:
 async def main(args) -> None:
     s = common.settings(SLUICE_IGNORE_EOS="true")
     print("loading the engine ...")
-    eng = await common.engine(s)
+    eng = CountingEngine(await common.engine(s))
     caps = [int(c) for c in args.caps.split(",")]
     runs = {"sluice rt alone": lambda: sluice_run(s, eng, args, True, False, None),
             "sluice batch alone": lambda: sluice_run(s, eng, args, False, True, None),
@@ -232,6 +247,8 @@ async def main(args) -> None:
             for order in order_all:
                 for name in order:
                     results[name].append((await runs[name]()).summary(args))
+                    bar.write(f"{name}: {results[name][-1]}")
+                    (OUT / "isolation.json").write_text(json.dumps({"partial": True, "runs": results}))
                     await settle(eng)
                     bar.update(1)
     finally:
@@ -240,10 +257,10 @@ async def main(args) -> None:
     for name, rs in results.items():
         row = {k: harness.spread([r[k] for r in rs]) for k in rs[0] if rs[0][k] is not None}
         side = "sluice" if name.startswith("sluice") else "vllm"
-        if "rt_p99" in row and "batch_per_s" in row:  # a loaded run: against its side's alone runs
+        if "rt_p99" in row and "batch_tok_per_s" in row:  # a loaded run: against its side's alone runs
             row["p99_ratio"] = harness.spread([r["rt_p99"] / a["rt_p99"]
                                                for r, a in zip(rs, results[f"{side} rt alone"])])
-            row["batch_kept"] = harness.spread([r["batch_per_s"] / a["batch_per_s"]
+            row["batch_kept"] = harness.spread([r["batch_tok_per_s"] / max(a["batch_tok_per_s"], 1e-9)
                                                 for r, a in zip(rs, results[f"{side} batch alone"])])
         summary[name] = row
     print(f"\nrealtime {args.rate}/s for {args.seconds}s x {args.rt_tokens} tokens; backlog {args.backlog} x "
@@ -254,7 +271,7 @@ async def main(args) -> None:
         v = row.get(key)
         return (fmt.format(v["median"]) + " [" + fmt.format(v["min"]) + "-" + fmt.format(v["max"]) + "]") if v else "-"
 
-    cols = ("rt_p50", "rt_p99", "batch_per_s", "tokens_per_s", "p99_ratio", "batch_kept")
+    cols = ("rt_p50", "rt_p99", "batch_tok_per_s", "tokens_per_s", "p99_ratio", "batch_kept")
     print(f"{'run':20s}" + "".join(f"{c:>22s}" for c in cols))
     for name, row in summary.items():
         print(f"{name:20s}" + "".join(f"{cell(row, c):>22s}" for c in cols))
