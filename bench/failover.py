@@ -80,13 +80,14 @@ class Pair:
         await common.wait_http(f"http://127.0.0.1:{port}/readyz", proc, poll_s=0.2)
         self.ready_s.append(time.monotonic() - t0)
 
-    async def tokens_generated(self, name: str) -> float:
+    async def metric(self, name: str, family: str) -> float:
+        """Sum of one metric family over its labels, read from a worker's /metrics."""
         import aiohttp
 
         _, port, _ = self.procs[name]
         async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/metrics") as r:
             text = await r.text()
-        return sum(float(m) for m in re.findall(r'^sluice_tokens_generated_total\{[^}]*\} (\S+)', text, re.M))
+        return sum(float(m) for m in re.findall(rf'^{family}\{{[^}}]*\}} (\S+)', text, re.M))
 
     def stop(self) -> None:
         for proc, _, _ in self.procs.values():
@@ -111,7 +112,7 @@ async def one_failover(pair: Pair, rep: int, prompt: str) -> dict:
     await reader.start()
     rid = f"fo-{pair.mode}-{rep}-{uuid.uuid4().hex[:6]}"
     tokens: dict[int, list[int]] = {}
-    before = {n: await pair.tokens_generated(n) for n in pair.procs}
+    resumed_before = {n: await pair.metric(n, "sluice_requests_resumed_total") for n in pair.procs}
     try:
         await produce(s.kafka.options(), [(pair.cat.request_topic("standard").name, rid.encode(), msgspec.json.encode(
             {"id": rid, "prompt": prompt, "max_tokens": pair.args.max_tokens}), [])])
@@ -132,8 +133,11 @@ async def one_failover(pair: Pair, rep: int, prompt: str) -> dict:
                 elif isinstance(r, ErrorReply):
                     raise SystemExit(f"{pair.mode}: error reply {r}")
             if t_kill is None and len(tokens) >= 2:
-                grew = {n: await pair.tokens_generated(n) - before[n] for n in pair.procs}
-                victim = max(grew, key=grew.get)
+                # the owner is the worker holding an engine slot (tokens are counted only at the end)
+                holding = [n for n in pair.procs if await pair.metric(n, "sluice_requests_in_engine") > 0]
+                if len(holding) != 1:
+                    raise SystemExit(f"{pair.mode}: cannot tell the owner: in engine on {holding or 'neither'}")
+                victim = holding[0]
                 proc = pair.procs[victim][0]
                 os.killpg(proc.pid, signal.SIGKILL)  # the worker and its engine: a machine gone
                 t_kill, seq_at_kill = time.time(), max(tokens)
@@ -144,6 +148,8 @@ async def one_failover(pair: Pair, rep: int, prompt: str) -> dict:
         await reader.stop()
     survivor = next(n for n in pair.procs if n != victim)
     t_assigned = assigned_after(pair.procs[survivor][2], t_kill)
+    if await pair.metric(survivor, "sluice_requests_resumed_total") - resumed_before[survivor] < 1:
+        raise SystemExit(f"{pair.mode}: the survivor did not resume the request (was the owner killed?)")
     if sorted(tokens) != list(range(done.seq)):
         raise SystemExit(f"{pair.mode}: the stream has gaps: {sorted(tokens)} for done.seq {done.seq}")
     await pair.start(victim)  # back to two workers for the next repetition

@@ -73,6 +73,7 @@ class Dispatcher:
             for p in self.scheduler.policies:
                 metrics.waiting.labels(p.name).set(self.scheduler.waiting(p.name))
                 metrics.in_engine.labels(p.name).set(self.scheduler.running(p.name))
+                metrics.admission_cap.labels(p.name).set(self.scheduler.cap(p.name))
             if self.scheduler.waiting():
                 # Deadlines move with the clock: look again soon even if nothing else happens.
                 asyncio.get_running_loop().call_later(0.05, self.wake.set)
@@ -123,6 +124,9 @@ class Dispatcher:
             return  # not answered: the record stays uncommitted and is read again
         exc = task.exception()
         if exc is None:
+            if job is not None:  # answered: its latency steers the caps of the classes below (admission "slo")
+                now_ms = int(time.time() * 1000)
+                self.scheduler.observe(cls, now_ms - job.timestamp_ms, now_ms)
             self.tracker.finish(tp, offset)
             return
         if isinstance(exc, Fenced):

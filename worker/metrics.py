@@ -19,6 +19,9 @@ duplicates = Counter("sluice_duplicate_requests_total", "Requests whose id was a
                      registry=REGISTRY)
 waiting = Gauge("sluice_requests_waiting", "Requests read and waiting for admission", ["class"], registry=REGISTRY)
 in_engine = Gauge("sluice_requests_in_engine", "Requests admitted to the engine", ["class"], registry=REGISTRY)
+admission_cap = Gauge("sluice_admission_cap", "Requests of the class the engine may hold now (its contended cap "
+                      "while a higher class has work; with admission slo, steered by that class's latency)",
+                      ["class"], registry=REGISTRY)
 paused_partitions = Gauge("sluice_paused_partitions", "Partitions paused for backpressure", ["class"],
                           registry=REGISTRY)
 tokens_generated = Counter("sluice_tokens_generated_total", "Completion tokens", ["class"], registry=REGISTRY)
@@ -145,7 +148,7 @@ UNSEALABLE_REASONS = ("not_sealed", "corrupt", "unknown_key", "forged")
 def start_series(classes) -> None:
     for cls in classes:
         for family in (records_consumed, tokens_generated, prompt_tokens, suspended, resumed, duplicates,
-                       waiting, in_engine, paused_partitions, time_to_first_token, end_to_end, inter_token):
+                       waiting, in_engine, admission_cap, paused_partitions, time_to_first_token, end_to_end, inter_token):
             family.labels(cls)
         unauthenticated.labels(cls)
         for outcome in OUTCOMES:

@@ -13,6 +13,10 @@ deadline has passed is expired here and never reaches the engine.
 vLLM's priority scheduling orders its own waiting queue, but does not stop
 admitted batch work from filling every step; bounding what enters is what keeps
 realtime latency flat.
+
+With `admission = "slo"` the contended cap is not fixed: it follows the latency
+of the classes above (`SloCap`), so batch fills the engine as far as realtime
+stays within its objective, and gives slots back when it does not.
 """
 
 from __future__ import annotations
@@ -65,6 +69,30 @@ def choose_suspensions(excess: dict[str, int], running: list[Running]) -> list:
     return chosen
 
 
+@dataclass
+class SloCap:
+    """A lower class's contended cap, steered by the end-to-end latency of a higher class (AIMD).
+
+    A higher-class answer within `headroom` of its objective lets one more lower-class request in,
+    but only while the lower class is using its whole cap (a cap nobody tests is not evidence);
+    one over its objective halves the cap, at most once per objective's length, because requests
+    admitted before the cut still finish late and must not cut it again.
+    """
+
+    floor: int
+    ceiling: int
+    value: int
+    headroom: float = 0.8
+    _cut_ms: int = -(1 << 62)
+
+    def observe(self, latency_ms: float, target_ms: int, now_ms: int, at_cap: bool) -> None:
+        if latency_ms > target_ms:
+            if now_ms - self._cut_ms >= target_ms:
+                self.value, self._cut_ms = max(self.floor, self.value // 2), now_ms
+        elif latency_ms <= self.headroom * target_ms and at_cap:
+            self.value = min(self.ceiling, self.value + 1)
+
+
 _NO_DEADLINE = 1 << 62
 
 
@@ -77,8 +105,13 @@ class _Entry:
 
 
 class Scheduler:
-    def __init__(self, policies: list[ClassPolicy], max_in_engine: int, hold_ms: int = 5000):
+    def __init__(self, policies: list[ClassPolicy], max_in_engine: int, hold_ms: int = 5000,
+                 admission: str = "fixed"):
         self.policies = sorted(policies, key=lambda p: p.priority)
+        # admission "slo": a class below one with an objective gets a cap that follows that objective
+        self.slo_caps: dict[str, SloCap] = {} if admission == "fixed" else {
+            p.name: SloCap(p.min_in_engine, p.max_in_engine, p.contended_in_engine) for p in self.policies
+            if any(h.target_ms for h in self.policies if h.priority < p.priority)}
         self.hold_ms = hold_ms
         self._busy_ms: dict[str, int] = {p.name: -(1 << 62) for p in self.policies}
         self._now_ms = 0
@@ -118,7 +151,20 @@ class Scheduler:
             self._waiting[p.name] or self._running[p.name] or self._now_ms - self._busy_ms[p.name] < self.hold_ms
             for p in self.policies if p.priority < policy.priority
         )
-        return policy.contended_in_engine if higher_busy else policy.max_in_engine
+        if not higher_busy:
+            return policy.max_in_engine
+        slo_cap = self.slo_caps.get(cls)
+        return slo_cap.value if slo_cap is not None else policy.contended_in_engine
+
+    def observe(self, cls: str, latency_ms: float, now_ms: int) -> None:
+        """A request of `cls` was answered `latency_ms` after it was produced: steer the caps below it."""
+        policy = self.by_name[cls]
+        if not policy.target_ms:
+            return
+        for lower in self.policies:
+            slo_cap = self.slo_caps.get(lower.name)
+            if lower.priority > policy.priority and slo_cap is not None:
+                slo_cap.observe(latency_ms, policy.target_ms, now_ms, self._running[lower.name] >= slo_cap.value)
 
     def overcommitted(self) -> dict[str, int]:
         """How many running requests each class should give back while a higher class has work.

@@ -195,6 +195,9 @@ class WorkerSettings(_Section):
     templates_dir: str | None = None
     # Lower classes stay at their contended cap this long after a higher class had work.
     contention_hold_ms: NonNegative = 5000
+    # fixed: lower classes under contention keep their topic's `contended_in_engine`. slo: that
+    # cap follows the higher classes' `slo_ms` (halved when an answer is late, grown while on time).
+    admission: Literal["fixed", "slo"] = "fixed"
     drain_grace_s: Annotated[float, Meta(ge=0)] = 30.0
     # Requests of revoked partitions may finish this long before they are aborted (the new owner
     # continues them from their progress). Kept short: every member waits for the slowest revoke.

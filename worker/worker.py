@@ -106,7 +106,7 @@ class Worker:
         # one queue and admission policy per class: its shared topic's (tenant-dedicated topics join it)
         self.scheduler = Scheduler([class_policy(catalog.request_topic(c)) for c in dict.fromkeys(
                                     t.latency_class for t in catalog.requests)], settings.engine.max_num_seqs,
-                                   settings.worker.contention_hold_ms)
+                                   settings.worker.contention_hold_ms, settings.worker.admission)
         self.dispatch = Dispatcher(self.scheduler, self.tracker, self.supervisor, self.liveness)
         self.runner = Runner(engine, self.emitter, self.answers, settings.limits, self.is_running,
                              settings.stream.chunk_tokens, settings.stream.chunk_ms, self.dispatch.release_slot,

@@ -136,3 +136,52 @@ def test_choose_suspensions(name, excess, running, chosen):
     from worker.policy import choose_suspensions
 
     assert choose_suspensions(excess, running) == chosen
+
+
+# SloCap: (name, start value, observations (latency_ms, now_ms, at_cap), expected value); objective 1000 ms,
+# floor 1, ceiling 8
+@pytest.mark.parametrize("name,start,observations,expected", [
+    ("on time and using its cap: one more", 2, [(500, 0, True)], 3),
+    ("on time but not using its cap: unchanged", 2, [(500, 0, False)], 2),
+    ("inside the objective but not the headroom: unchanged", 2, [(900, 0, True)], 2),
+    ("late: halved", 6, [(1500, 0, True)], 3),
+    ("late twice within one objective: halved once", 6, [(1500, 0, True), (1600, 500, True)], 3),
+    ("late again after an objective: halved again", 6, [(1500, 0, True), (1600, 1000, True)], 1),
+    ("never below the floor", 1, [(5000, 0, True)], 1),
+    ("never above the ceiling", 8, [(100, 0, True), (100, 1, True)], 8),
+    ("grows back one at a time", 2, [(1500, 0, True)] + [(100, t, True) for t in range(1, 4)], 4),
+])
+def test_slo_cap(name, start, observations, expected):
+    from worker.policy import SloCap
+
+    cap = SloCap(floor=1, ceiling=8, value=start)
+    for latency_ms, now_ms, at_cap in observations:
+        cap.observe(latency_ms, 1000, now_ms, at_cap)
+    assert cap.value == expected
+
+
+def test_slo_admission_steers_batch_by_realtime_latency():
+    rt = ClassPolicy("realtime", 0, max_in_engine=8, contended_in_engine=8, target_ms=1000)
+    s = Scheduler([rt, BA], max_in_engine=64, admission="slo")
+    assert set(s.slo_caps) == {"batch"}  # realtime has nothing above it
+    s.add("realtime", "r0", 0)
+    for i in range(20):
+        s.add("batch", f"b{i}", i)
+    admitted, _ = s.admit(0)
+    assert [i for _, i in admitted] == ["r0", "b0", "b1"]  # the contended cap to start with
+    s.observe("realtime", 400, 100)  # on time, batch at its cap: one more
+    admitted, _ = s.admit(100)
+    assert [i for _, i in admitted] == ["b2"]
+    s.observe("realtime", 3000, 200)  # late: batch cap 3 -> 1, the excess is suspended
+    assert s.cap("batch") == 1 and s.overcommitted() == {"batch": 2}
+    s.observe("batch", 10, 300)  # a class without an objective steers nothing
+    assert s.cap("batch") == 1
+
+
+def test_fixed_admission_ignores_latency():
+    rt = ClassPolicy("realtime", 0, max_in_engine=8, contended_in_engine=8, target_ms=1000)
+    s = Scheduler([rt, BA], max_in_engine=64)
+    s.add("realtime", "r0", 0)
+    s.admit(0)
+    s.observe("realtime", 9000, 100)
+    assert s.slo_caps == {} and s.cap("batch") == BA.contended_in_engine
