@@ -10,9 +10,11 @@ arrived, SIGKILLs the worker that owns it (its whole process group: no drain, no
 times, on the client's clock:
   detect     kill -> the survivor's `partitions_assigned` (the group noticed: session timeout,
              rebalance)
-  resume     assignment -> the first token record after the kill (progress lookup, pages loaded
-             or prefix recomputed, one decode step)
-  first      kill -> first token after the kill (the two above)
+  resent     kill -> the first record of the resumed stream (the survivor re-sends the records
+             stored before the kill, before it computes anything)
+  resume     assignment -> the first token generated after the kill (progress lookup, pages
+             loaded or prefix recomputed, one decode step)
+  first      kill -> first token generated after the kill (detect + resume)
   done       kill -> the `done` record
 The killed worker is restarted and the pair settles before the next repetition; modes alternate.
 Both modes run with the same engine settings and binding (checked from the logs); the stream
@@ -63,7 +65,9 @@ class Pair:
                     "SLUICE_TOPICS_FILE": str(self.topics_file), "SLUICE_KAFKA_IDEMPOTENCE": "false",
                     "SLUICE_GROUP_ID": f"fo-{mode}-{uuid.uuid4().hex[:6]}", "SLUICE_LOG_LEVEL": "info",
                     "SLUICE_METRICS_HOST": "127.0.0.1", "SLUICE_COMPILE_MODE": args.compile_mode,
-                    "SLUICE_REDIS_KEY_PREFIX": f"fo-{mode}-{uuid.uuid4().hex[:6]}"}
+                    "SLUICE_REDIS_KEY_PREFIX": f"fo-{mode}-{uuid.uuid4().hex[:6]}",
+                    **({"SLUICE_GROUP_SESSION_TIMEOUT_MS": str(args.session_timeout_ms)}
+                       if args.session_timeout_ms else {})}
         self.procs: dict[str, tuple[subprocess.Popen, int, Path]] = {}
         self.starts = 0
         self.ready_s: list[float] = []  # process start -> /readyz 200, per start
@@ -106,6 +110,14 @@ def assigned_after(log: Path, t_kill: float) -> float | None:
     return None
 
 
+def resumed_at_seq(log: Path, request_id: str) -> int | None:
+    """The seq the survivor continued from (every record before it was stored before the kill)."""
+    for line in log.read_text(errors="replace").splitlines():
+        if '"request_resumed"' in line and request_id in line:
+            return json.loads(line)["next_seq"]
+    return None
+
+
 async def one_failover(pair: Pair, rep: int, prompt: str) -> dict:
     s = pair.s
     reader = ReplyReader(s.kafka.options(), pair.cat.replies.name)
@@ -116,7 +128,8 @@ async def one_failover(pair: Pair, rep: int, prompt: str) -> dict:
     try:
         await produce(s.kafka.options(), [(pair.cat.request_topic("standard").name, rid.encode(), msgspec.json.encode(
             {"id": rid, "prompt": prompt, "max_tokens": pair.args.max_tokens}), [])])
-        t_kill = victim = t_first = t_done = None
+        t_kill = victim = t_done = None
+        arrivals: list[tuple[float, int]] = []  # (time, seq) of token records read after the kill
         seq_at_kill = 0
         end = time.monotonic() + 900
         while t_done is None and time.monotonic() < end:
@@ -126,8 +139,8 @@ async def one_failover(pair: Pair, rep: int, prompt: str) -> dict:
                 now = time.time()
                 if isinstance(r, TokenReply):
                     tokens[r.seq] = r.token_ids
-                    if t_kill is not None and t_first is None:
-                        t_first = now
+                    if t_kill is not None:
+                        arrivals.append((now, r.seq))
                 elif isinstance(r, DoneReply):
                     t_done, done = now, r
                 elif isinstance(r, ErrorReply):
@@ -154,8 +167,18 @@ async def one_failover(pair: Pair, rep: int, prompt: str) -> dict:
         raise SystemExit(f"{pair.mode}: the stream has gaps: {sorted(tokens)} for done.seq {done.seq}")
     await pair.start(victim)  # back to two workers for the next repetition
     await asyncio.sleep(pair.args.settle_s)
+    # Records the survivor re-sends (those stored before the kill) come first; the first token generated
+    # after the kill is the first record at or past the survivor's `next_seq`.
+    next_seq = resumed_at_seq(pair.procs[survivor][2], rid)
+    if next_seq is None:
+        raise SystemExit(f"{pair.mode}: the survivor logged no request_resumed for {rid}")
+    t_resent = min((t for t, seq in arrivals if seq < next_seq and t > (t_assigned or t_kill)), default=None)
+    t_first = min((t for t, seq in arrivals if seq >= next_seq), default=None)
+    if t_first is None or t_resent is None:
+        raise SystemExit(f"{pair.mode}: after the kill: re-sent {t_resent}, new tokens {t_first}")
     return {"seq_at_kill": seq_at_kill, "detect_s": (t_assigned - t_kill) if t_assigned else None,
             "resume_s": (t_first - t_assigned) if t_assigned else None, "first_s": t_first - t_kill,
+            "resent_s": t_resent - t_kill,
             "done_s": t_done - t_kill, "tokens": sum(map(len, tokens.values()))}
 
 
@@ -183,21 +206,24 @@ async def main(args) -> None:
                 r = await one_failover(pairs[mode], rep, prompt)
                 runs[mode].append(r)
                 print(f"rep {rep} {mode:9s} killed after {r['seq_at_kill'] + 1} token records: detect "
-                      f"{r['detect_s']:.2f} s, resume {r['resume_s']:.2f} s, first token {r['first_s']:.2f} s, "
+                      f"{r['detect_s']:.2f} s, re-sent {r['resent_s']:.2f} s, resume {r['resume_s']:.2f} s, "
+                      f"first new token {r['first_s']:.2f} s, "
                       f"done {r['done_s']:.2f} s", flush=True)
     finally:
         for p in pairs.values():
             p.stop()
-    summary = {m: {k: harness.spread([r[k] for r in rs]) for k in ("detect_s", "resume_s", "first_s", "done_s")}
+    summary = {m: {k: harness.spread([r[k] for r in rs]) for k in ("detect_s", "resent_s", "resume_s", "first_s",
+                                                                    "done_s")}
                for m, rs in runs.items()}
     ratio = harness.spread([a["first_s"] / b["first_s"] for a, b in zip(runs["pages"], runs["recompute"])])
     resume_ratio = harness.spread([a["resume_s"] / b["resume_s"] for a, b in zip(runs["pages"], runs["recompute"])])
     print(f"\nSIGKILL mid-stream, ~{args.prompt_tokens}-token prompt, {args.max_tokens} tokens, session timeout "
-          f"{s.group.session_timeout_ms} ms (heartbeat a third of it), compile mode {args.compile_mode}, "
+          f"{args.session_timeout_ms or s.group.session_timeout_ms} ms (heartbeat a third of it), compile mode {args.compile_mode}, "
           f"{args.reps} repetitions alternating; {common.machine()}; {common.today()}; rev {common.git_rev()}")
     first = next(iter(reports.values()))
     print("every worker: " + ", ".join(f"{k}={first[k]}" for k in harness.COMPARED))
-    print(f"{'mode':10s}" + "".join(f"{k:>24s}" for k in ("detect s", "resume s", "kill->first token s", "kill->done s")))
+    print(f"{'mode':10s}" + "".join(f"{k:>24s}" for k in ("detect s", "kill->re-sent s", "resume s",
+                                                           "kill->first new token s", "kill->done s")))
     for m, row in summary.items():
         print(f"{m:10s}" + "".join(f"{v['median']:>10.2f} [{v['min']:.2f}-{v['max']:.2f}]".rjust(24)
                                    for v in row.values()))
@@ -211,7 +237,7 @@ async def main(args) -> None:
           + ", ".join(f"{t:.1f}" for t in firsts) + " s; restarts " + ", ".join(f"{t:.1f}" for t in restarts) + " s")
     (OUT / "failover.json").write_text(json.dumps(
         {"args": vars(args), "workers": reports, "runs": runs, "summary": summary, "ratio_first": ratio,
-         "ratio_resume": resume_ratio, "session_timeout_ms": s.group.session_timeout_ms,
+         "ratio_resume": resume_ratio, "session_timeout_ms": args.session_timeout_ms or s.group.session_timeout_ms,
          "ready_s": {m: p.ready_s for m, p in pairs.items()},
          "machine": common.machine(), "date": common.today(), "rev": common.git_rev()}, indent=2))
     print(f"wrote {OUT / 'failover.json'}")
@@ -220,6 +246,8 @@ async def main(args) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--session-timeout-ms", type=int, default=None,
+                   help="SLUICE_GROUP_SESSION_TIMEOUT_MS of every worker (default: the setting's default)")
     p.add_argument("--prompt-tokens", type=int, default=1500)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--settle-s", type=float, default=8.0, help="after a (re)start, for the group to settle")

@@ -11,6 +11,8 @@ seconds in and outlasts the window. Runs:
   sluice batch alone     the backlog through the batch topic, nothing else
   sluice cap=N           both; batch held to N engine slots while realtime has work
                          (`contended_in_engine`), one run per value of `--caps`
+  sluice slo             both, SLUICE_ADMISSION=slo with realtime `slo_ms = --slo-ms`: batch's cap
+                         follows realtime latency (only with `--slo-ms`)
   vllm rt alone          realtime straight into the engine (`AsyncLLM` via the worker's adapter),
                          no Kafka
   vllm batch alone       the backlog straight into the engine
@@ -20,7 +22,9 @@ seconds in and outlasts the window. Runs:
 
 For each: realtime end-to-end p50/p99, batch tokens generated per second from the backlog's landing
 to the end of the realtime stream, and all engine output tokens per second over the run (counted
-at the engine, so requests that finish together in bursts are measured fairly). The frontier (realtime p99 loaded/alone
+at the engine, so requests that finish together in bursts are measured fairly), and the engine's
+step time (median interval between two outputs of one request) with the tokens each step made:
+what realtime latency depends on, and what limits the frontier. The frontier (realtime p99 loaded/alone
 against the batch throughput kept, loaded/alone) is plotted to bench/isolation.png; medians over
 `--reps` repetitions (runs rotated) in bench/isolation.json.
 """
@@ -72,7 +76,7 @@ class CountingEngine:
     async def generate(self, request_id, prompt_ids, params, priority):
         batch = "-bk" in request_id
         async for d in self.eng.generate(request_id, prompt_ids, params, priority):
-            self.events.append((time.monotonic(), batch, len(d.token_ids)))
+            self.events.append((time.monotonic(), batch, len(d.token_ids), request_id))
             yield d
 
 
@@ -91,23 +95,42 @@ class Window:
                "rt_n": len(lat)}
         events = self.eng.events[self.first_event:]
         end = self.start + args.seconds
-        out["tokens_per_s"] = sum(n for t, _, n in events if self.start <= t <= end) / args.seconds
+        out["tokens_per_s"] = sum(n for t, _, n, _ in events if self.start <= t <= end) / args.seconds
         if self.backlog_at is not None:
             # batch tokens from the backlog's landing to the end of the realtime stream (the same span alone)
             span_end = self.backlog_at + (args.seconds - args.backlog_after)
-            out["batch_tok_per_s"] = sum(n for t, b, n in events if b and self.backlog_at <= t <= span_end) / (
+            out["batch_tok_per_s"] = sum(n for t, b, n, _ in events if b and self.backlog_at <= t <= span_end) / (
                 span_end - self.backlog_at)
+        out["step_ms"] = step_ms(events, self.start, end)
+        if out["step_ms"] is not None:
+            out["tokens_per_step"] = out["tokens_per_s"] * out["step_ms"] / 1000
         return out
 
 
-async def sluice_run(s, eng, args, rt: bool, batch: bool, cap: int | None) -> Window:
+def step_ms(events, start: float, end: float) -> float | None:
+    """Median interval between two consecutive single-token outputs of one request inside the window:
+    one engine step (each running request gets one token per decode step)."""
+    last: dict[str, float] = {}
+    gaps = []
+    for t, _, n, rid in events:
+        if start <= t <= end and n == 1 and rid in last:
+            gaps.append(t - last[rid])
+        last[rid] = t
+    return percentile(gaps, 50) * 1000 if gaps else None
+
+
+async def sluice_run(s, eng, args, rt: bool, batch: bool, cap: int | None, slo_ms: int | None = None) -> Window:
     tag = uuid.uuid4().hex[:6]  # ids are idempotency keys: never reuse them across runs
     cat = await common.fresh_catalog(s, "iso")
     if cap is not None:
         bt = msgspec.structs.replace(cat.request_topic("batch"), contended_in_engine=cap,
                                      min_in_engine=min(cap, cat.request_topic("batch").min_in_engine))
         cat = msgspec.structs.replace(cat, topic=[bt if t.name == bt.name else t for t in cat.topic])
-    worker = Worker(s.override(group_id=f"bench-{uuid.uuid4().hex[:6]}"), cat, eng)
+    if slo_ms is not None:
+        rtt = msgspec.structs.replace(cat.request_topic("realtime"), slo_ms=slo_ms)
+        cat = msgspec.structs.replace(cat, topic=[rtt if t.name == rtt.name else t for t in cat.topic])
+    worker = Worker(s.override(group_id=f"bench-{uuid.uuid4().hex[:6]}",
+                               admission="slo" if slo_ms is not None else "fixed"), cat, eng)
     await worker.start()
     while not worker.consumer.assignment():
         await asyncio.sleep(0.1)
@@ -232,10 +255,17 @@ async def main(args) -> None:
     runs = {"sluice rt alone": lambda: sluice_run(s, eng, args, True, False, None),
             "sluice batch alone": lambda: sluice_run(s, eng, args, False, True, None),
             **{f"sluice cap={c}": (lambda c=c: sluice_run(s, eng, args, True, True, c)) for c in caps},
+            **({"sluice slo": lambda: sluice_run(s, eng, args, True, True, None, args.slo_ms)} if args.slo_ms else {}),
             "vllm rt alone": lambda: vllm_run(eng, args, True, False, 10),
             "vllm batch alone": lambda: vllm_run(eng, args, False, True, 10),
             "vllm priority": lambda: vllm_run(eng, args, True, True, 10),
             "vllm fifo": lambda: vllm_run(eng, args, True, True, 0)}
+    if args.runs:
+        wanted = args.runs.split(",")
+        unknown = set(wanted) - set(runs)
+        if unknown:
+            raise SystemExit(f"unknown runs {sorted(unknown)}; known: {list(runs)}")
+        runs = {k: v for k, v in runs.items() if k in wanted}
     results: dict[str, list[dict]] = {k: [] for k in runs}
     try:
         async def warm(i):
@@ -255,9 +285,10 @@ async def main(args) -> None:
         eng.shutdown()
     summary: dict[str, dict] = {}
     for name, rs in results.items():
-        row = {k: harness.spread([r[k] for r in rs]) for k in rs[0] if rs[0][k] is not None}
+        row = {k: harness.spread([r[k] for r in rs if r.get(k) is not None]) for k in rs[0] if rs[0][k] is not None}
         side = "sluice" if name.startswith("sluice") else "vllm"
-        if "rt_p99" in row and "batch_tok_per_s" in row:  # a loaded run: against its side's alone runs
+        if "rt_p99" in row and "batch_tok_per_s" in row and f"{side} rt alone" in results \
+                and f"{side} batch alone" in results:  # a loaded run: against its side's alone runs
             row["p99_ratio"] = harness.spread([r["rt_p99"] / a["rt_p99"]
                                                for r, a in zip(rs, results[f"{side} rt alone"])])
             row["batch_kept"] = harness.spread([r["batch_tok_per_s"] / max(a["batch_tok_per_s"], 1e-9)
@@ -271,7 +302,8 @@ async def main(args) -> None:
         v = row.get(key)
         return (fmt.format(v["median"]) + " [" + fmt.format(v["min"]) + "-" + fmt.format(v["max"]) + "]") if v else "-"
 
-    cols = ("rt_p50", "rt_p99", "batch_tok_per_s", "tokens_per_s", "p99_ratio", "batch_kept")
+    cols = ("rt_p50", "rt_p99", "batch_tok_per_s", "tokens_per_s", "step_ms", "tokens_per_step", "p99_ratio",
+            "batch_kept")
     print(f"{'run':20s}" + "".join(f"{c:>22s}" for c in cols))
     for name, row in summary.items():
         print(f"{name:20s}" + "".join(f"{cell(row, c):>22s}" for c in cols))
@@ -293,4 +325,7 @@ if __name__ == "__main__":
     p.add_argument("--caps", default="2,16,48", help="batch contended_in_engine values to sweep")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--slo-ms", type=int, default=None,
+                   help="add the `sluice slo` run: SLO admission with this realtime slo_ms")
+    p.add_argument("--runs", default=None, help="comma-separated subset of the runs (default: all)")
     asyncio.run(main(p.parse_args()))

@@ -1,6 +1,6 @@
 """What Kafka and sluice add to a realtime score, in milliseconds.
 
-    python bench/score_latency.py [--rate 4] [--seconds 30] [--reps 3] [--fetch-wait-ms 50,5]
+    python bench/score_latency.py [--rate 1] [--seconds 30] [--reps 3] [--fetch-wait-ms 50,5]
 
 Realtime `kind: score` requests (the `fraud` template on seeded transaction events) at a steady
 rate, the same events in every arm:
@@ -269,7 +269,8 @@ async def main(args) -> None:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rate", type=float, default=4.0)
+    p.add_argument("--rate", type=float, default=1.0,
+                   help="events per second; keep it under the engine's capacity, or the arms measure their queues")
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--fetch-wait-ms", default="50,5", help="one sluice arm per value (comma-separated)")

@@ -117,6 +117,7 @@ class AnswerStore:
         self._down_until = 0.0
         self.available = False
         self._pending: list[tuple[str, bytes, bool, asyncio.Future]] = []
+        self._appends: list[tuple[str, list, asyncio.Future]] = []  # write-ahead of token records
         self._flush_wanted = asyncio.Event()
         self._writer: asyncio.Task | None = None
 
@@ -159,21 +160,27 @@ class AnswerStore:
         while True:
             await self._flush_wanted.wait()
             self._flush_wanted.clear()
-            await asyncio.sleep(0.002)  # let a few more answers join this round
+            # answers wait a moment for company; a token record waits on its append, so those go at once
+            # (while one round is in flight the next gathers every append made meanwhile)
+            await asyncio.sleep(0 if self._appends else 0.002)
             await self.flush()
 
     async def flush(self) -> None:
+        appends, self._appends = self._appends, []
         batch, self._pending = self._pending, []
-        if not batch:
+        if not batch and not appends:
             return
+        futures = [item[2] for item in appends] + [item[3] for item in batch]
         try:
-            results = await self.put_many([item[:3] for item in batch])
+            # appends first: a request's last chunks and its answer may share a round, and the answer
+            # removes the progress (one request's keys share a slot, so one node runs them in order)
+            results = await self._write(appends, [item[:3] for item in batch])
         except BaseException:
-            _resolve([item[3] for item in batch], None)
+            _resolve(futures, None)
             raise
-        for item, ok in zip(batch, results):
-            if not item[3].done():
-                item[3].set_result(ok)
+        for future, ok in zip(futures, results):
+            if not future.done():
+                future.set_result(ok)
 
     async def _connect(self) -> bool:
         client = None
@@ -300,24 +307,37 @@ class AnswerStore:
         if scores is not None:
             fields["scores"] = self._seal_field(request_id, "scores", _chunk_enc.encode(scores))
         args = [owner or "", self.progress_ttl_s] + [x for kv in fields.items() for x in kv]
-        result = await self._call(lambda c: c.eval(_APPEND_IF_OWNER, 2, self.owner_key(request_id),
-                                                   self.progress_key(request_id), *args))
-        return None if result is None else bool(result)
+        if self._writer is None or self._writer.done():  # not started (or stopping): one round of its own
+            return (await self._write([(request_id, args, None)], []))[0]
+        # the writer pipelines every append made meanwhile into one round: one Redis round trip per
+        # turn of the worker rather than per token record
+        done = asyncio.get_running_loop().create_future()
+        self._appends.append((request_id, args, done))
+        self._flush_wanted.set()
+        return await done
 
     async def put_many(self, items: list[tuple[str, bytes, str]]) -> list[bool | None]:
         """Store (id, answer, owner) in one pipelined round, each only if `owner` still owns the id
         ("" stores unconditionally); per item True / False (fenced) / None (Redis degraded)."""
+        return await self._write([], items)
+
+    async def _write(self, appends: list[tuple[str, list, object]], answers: list[tuple[str, bytes, str]]
+                     ) -> list[bool | None]:
+        """One pipelined round: progress appends (id, script args), then answers (id, answer, owner)."""
         async def run(c):
             pipe = c.pipeline()
-            for rid, payload, owner in items:
+            for rid, args, _ in appends:
+                pipe.eval(_APPEND_IF_OWNER, 2, self.owner_key(rid), self.progress_key(rid), *args)
+            for rid, payload, owner in answers:
                 if self.sealer is not None:
                     payload = self.sealer.seal(payload, self.key(rid))
                 pipe.eval(_ANSWER_IF_OWNER, 3, self.owner_key(rid), self.key(rid), self.progress_key(rid),
                           owner, payload, self.ttl_s)
             return await pipe.execute()
 
+        n = len(appends) + len(answers)
         found = await self._call(run)
-        return [None] * len(items) if found is None else [bool(x) for x in found]
+        return [None] * n if found is None else [bool(x) for x in found]
 
     async def ping(self) -> bool:
         return bool(await self._call(lambda c: c.ping()))

@@ -27,3 +27,26 @@ async def test_a_later_claim_fences_the_earlier_attempt(settings):
         assert await store.append_chunks("r1", [(0, [5], "late")], owner="B#7") is False
     finally:
         await store.stop()
+
+
+async def test_concurrent_appends_share_rounds_and_keep_their_own_results(settings):
+    """Appends made meanwhile are pipelined together: each still gets its own verdict."""
+    import asyncio
+
+    store = AnswerStore(settings.redis.url, f"fence-{uuid.uuid4().hex[:6]}", 60, settings.redis.timeout_ms)
+    await store.start()
+    try:
+        ids = [f"r{i}" for i in range(40)]
+        await store.lookup_many(ids, [True] * 40, [f"A#{i}" for i in range(40)])
+        await store.lookup_many(ids[:10], [True] * 10, ["B#1"] * 10)  # B took over the first ten
+        rounds, call = [], store._call
+        store._call = lambda fn: rounds.append(fn) or call(fn)
+        verdicts = await asyncio.gather(*(store.append_chunks(rid, [(0, [i], f"t{i}")], owner=f"A#{i}")
+                                          for i, rid in enumerate(ids)))
+        assert verdicts == [False] * 10 + [True] * 30
+        assert len(rounds) < 5  # not a round trip per append
+        store._call = call
+        found = await store.lookup_many(ids[10:], [True] * 30, ["C#1"] * 30)
+        assert [p.chunks for _, p in found] == [[([i], f"t{i}")] for i in range(10, 40)]
+    finally:
+        await store.stop()

@@ -75,3 +75,18 @@ def test_each_arm_runs_first_in_turn():
     assert harness.orders(["a", "b", "c"], 3) == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
     assert harness.orders(["a", "b"], 3)[2] == ["a", "b"]
     assert harness.spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "runs": [3.0, 1.0, 2.0]}
+
+
+@pytest.mark.parametrize("name,events,expected", [
+    ("one request, steps of 100 ms", [(0.0, False, 1, "a"), (0.1, False, 1, "a"), (0.2, False, 1, "a")], 100.0),
+    ("two requests interleaved: the median gap", [(0.0, False, 1, "a"), (0.05, True, 1, "b"), (0.1, False, 1, "a"),
+                                                  (0.2, False, 1, "a"), (0.35, True, 1, "b")], 100.0),
+    ("multi-token outputs are not steps", [(0.0, False, 1, "a"), (0.5, False, 4, "a")], None),
+    ("outside the window ignored", [(0.0, False, 1, "a"), (0.1, False, 1, "a"), (9.0, False, 1, "a")], 100.0),
+    ("no request with two outputs", [(0.0, False, 1, "a"), (0.1, False, 1, "b")], None),
+])
+def test_step_ms(name, events, expected):
+    from bench.isolation import step_ms
+
+    got = step_ms(events, 0.0, 1.0)
+    assert got == (pytest.approx(expected) if expected is not None else None)
