@@ -67,7 +67,8 @@ class Pair:
                     "SLUICE_METRICS_HOST": "127.0.0.1", "SLUICE_COMPILE_MODE": args.compile_mode,
                     "SLUICE_REDIS_KEY_PREFIX": f"fo-{mode}-{uuid.uuid4().hex[:6]}",
                     **({"SLUICE_GROUP_SESSION_TIMEOUT_MS": str(args.session_timeout_ms)}
-                       if args.session_timeout_ms else {})}
+                       if args.session_timeout_ms else {}),
+                    **({"SLUICE_GROUP_HEARTBEAT_INTERVAL_MS": str(args.heartbeat_ms)} if args.heartbeat_ms else {})}
         self.procs: dict[str, tuple[subprocess.Popen, int, Path]] = {}
         self.starts = 0
         self.ready_s: list[float] = []  # process start -> /readyz 200, per start
@@ -217,8 +218,10 @@ async def main(args) -> None:
                for m, rs in runs.items()}
     ratio = harness.spread([a["first_s"] / b["first_s"] for a, b in zip(runs["pages"], runs["recompute"])])
     resume_ratio = harness.spread([a["resume_s"] / b["resume_s"] for a, b in zip(runs["pages"], runs["recompute"])])
+    group = s.override(**({"group_session_timeout_ms": args.session_timeout_ms} if args.session_timeout_ms else {}),
+                       **({"group_heartbeat_interval_ms": args.heartbeat_ms} if args.heartbeat_ms else {})).group
     print(f"\nSIGKILL mid-stream, ~{args.prompt_tokens}-token prompt, {args.max_tokens} tokens, session timeout "
-          f"{args.session_timeout_ms or s.group.session_timeout_ms} ms (heartbeat a third of it), compile mode {args.compile_mode}, "
+          f"{group.session_timeout_ms} ms, heartbeat {group.heartbeat_ms()} ms, compile mode {args.compile_mode}, "
           f"{args.reps} repetitions alternating; {common.machine()}; {common.today()}; rev {common.git_rev()}")
     first = next(iter(reports.values()))
     print("every worker: " + ", ".join(f"{k}={first[k]}" for k in harness.COMPARED))
@@ -237,7 +240,8 @@ async def main(args) -> None:
           + ", ".join(f"{t:.1f}" for t in firsts) + " s; restarts " + ", ".join(f"{t:.1f}" for t in restarts) + " s")
     (OUT / "failover.json").write_text(json.dumps(
         {"args": vars(args), "workers": reports, "runs": runs, "summary": summary, "ratio_first": ratio,
-         "ratio_resume": resume_ratio, "session_timeout_ms": args.session_timeout_ms or s.group.session_timeout_ms,
+         "ratio_resume": resume_ratio, "session_timeout_ms": group.session_timeout_ms,
+         "heartbeat_ms": group.heartbeat_ms(),
          "ready_s": {m: p.ready_s for m, p in pairs.items()},
          "machine": common.machine(), "date": common.today(), "rev": common.git_rev()}, indent=2))
     print(f"wrote {OUT / 'failover.json'}")
@@ -248,6 +252,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--session-timeout-ms", type=int, default=None,
                    help="SLUICE_GROUP_SESSION_TIMEOUT_MS of every worker (default: the setting's default)")
+    p.add_argument("--heartbeat-ms", type=int, default=None,
+                   help="SLUICE_GROUP_HEARTBEAT_INTERVAL_MS of every worker (default: a third of the session timeout)")
     p.add_argument("--prompt-tokens", type=int, default=1500)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--settle-s", type=float, default=8.0, help="after a (re)start, for the group to settle")

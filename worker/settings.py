@@ -77,6 +77,13 @@ class GroupSettings(_Section):
     commit_interval_ms: Positive = 500
     # A member whose heartbeats stop this long is dropped from the group and its partitions move.
     session_timeout_ms: Annotated[int, Meta(ge=1000)] = 10000
+    # How often a member tells the coordinator it is alive; a survivor learns of a rebalance at its
+    # next heartbeat, so detection of a dead worker takes up to session timeout + this. 0: a third
+    # of the session timeout (aiokafka's advice).
+    heartbeat_interval_ms: NonNegative = 0
+
+    def heartbeat_ms(self) -> int:
+        return self.heartbeat_interval_ms or max(100, self.session_timeout_ms // 3)
 
 
 class RedisSettings(_Section):
@@ -305,6 +312,9 @@ def _convert(data: dict, from_env: set[str]) -> Settings:
         split_url(settings.redis.url)
     except ValueError as exc:
         raise SettingsError(f"redis_url (SLUICE_REDIS_URL): {exc}") from None
+    if settings.group.heartbeat_ms() >= settings.group.session_timeout_ms:
+        raise SettingsError("heartbeat_interval_ms (SLUICE_GROUP_HEARTBEAT_INTERVAL_MS) must be below "
+                            "session_timeout_ms (SLUICE_GROUP_SESSION_TIMEOUT_MS)")
     if not 0 < settings.limits.default_max_tokens <= settings.limits.max_tokens:
         raise SettingsError("default_max_tokens (SLUICE_DEFAULT_MAX_TOKENS) must be 1..max_tokens_limit")
     return settings

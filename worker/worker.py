@@ -60,7 +60,7 @@ def kafka_consumer(settings: Settings):
         auto_offset_reset="earliest",
         fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,
         session_timeout_ms=settings.group.session_timeout_ms,
-        heartbeat_interval_ms=max(100, settings.group.session_timeout_ms // 3),
+        heartbeat_interval_ms=settings.group.heartbeat_ms(),
         max_partition_fetch_bytes=max(1 << 20, 2 * settings.limits.max_record_bytes),
     )
 

@@ -22,6 +22,10 @@ def test_env_overrides_file(tmp_path):
     ({"SLUICE_ENGINE_STALL_S": "-1"}, "SLUICE_ENGINE_STALL_S"),
     ({"SLUICE_CLASSES": "realtime,fast"}, "SLUICE_CLASSES"),
     ({"SLUICE_CLASSES": ""}, "SLUICE_CLASSES"),
+    ({"SLUICE_GROUP_HEARTBEAT_INTERVAL_MS": "-1"}, "SLUICE_GROUP_HEARTBEAT_INTERVAL_MS"),
+    ({"SLUICE_GROUP_HEARTBEAT_INTERVAL_MS": "10000"}, "SLUICE_GROUP_HEARTBEAT_INTERVAL_MS"),
+    ({"SLUICE_GROUP_SESSION_TIMEOUT_MS": "3000", "SLUICE_GROUP_HEARTBEAT_INTERVAL_MS": "3000"},
+     "SLUICE_GROUP_HEARTBEAT_INTERVAL_MS"),
 ])
 def test_invalid_settings_name_the_variable(env, named):
     with pytest.raises(SettingsError, match=named):
@@ -38,3 +42,12 @@ def test_unknown_key_in_file_is_an_error(tmp_path):
 def test_missing_config_file():
     with pytest.raises(SettingsError, match="not found"):
         load("/nonexistent.toml", environ={})
+
+
+@pytest.mark.parametrize("env,heartbeat_ms", [
+    ({}, 3333),  # a third of the 10 s default session timeout
+    ({"SLUICE_GROUP_SESSION_TIMEOUT_MS": "3000"}, 1000),
+    ({"SLUICE_GROUP_SESSION_TIMEOUT_MS": "3000", "SLUICE_GROUP_HEARTBEAT_INTERVAL_MS": "500"}, 500),
+])
+def test_heartbeat_follows_the_session_timeout_unless_set(env, heartbeat_ms):
+    assert load(environ=env).group.heartbeat_ms() == heartbeat_ms
