@@ -44,7 +44,7 @@ from aiokafka import AIOKafkaProducer
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import common, harness  # noqa: E402
+from bench import common, frontier, harness  # noqa: E402
 from loadgen.burst import ReplyReader, percentile, produce  # noqa: E402
 from schemas import DoneReply, ErrorReply, Request  # noqa: E402
 from worker.engine import GenParams  # noqa: E402
@@ -221,7 +221,32 @@ async def settle(eng, timeout: float = 120.0) -> None:
     await asyncio.sleep(1)
 
 
-def plot(summary: dict, path: Path) -> None:
+def step_model(runs: dict[str, list[dict]], summary: dict) -> dict:
+    """Per side (sluice, vllm): the step-time fit over its runs and the frontier it implies (bench/frontier.py)."""
+    model = {}
+    for side in ("sluice", "vllm"):
+        points = [(r["tokens_per_step"], r["step_ms"]) for name, rs in runs.items() if name.startswith(side)
+                  for r in rs if r.get("step_ms") and r.get("tokens_per_step")]
+        rt, batch = summary.get(f"{side} rt alone", {}), summary.get(f"{side} batch alone", {})
+        if len(points) < 2 or "tokens_per_s" not in rt or "batch_tok_per_s" not in batch:
+            continue
+        fixed, per_token = frontier.fit_steps(points)
+        f, g = frontier.shares(per_token, rt["tokens_per_s"]["median"], batch["batch_tok_per_s"]["median"])
+        model[side] = {"fixed_ms": fixed, "per_token_ms": per_token, "rt_share": f, "batch_share": g,
+                       "kept_at_1.2": frontier.kept_at(1.2, f, g), "ratio_at_kept_0.5": frontier.ratio_at(0.5, f, g),
+                       "runs_fitted": len(points)}
+    return model
+
+
+def print_model(model: dict) -> None:
+    for side, m in model.items():
+        print(f"{side} step time: {m['fixed_ms']:.1f} ms + {m['per_token_ms']:.2f} ms per token in the step "
+              f"(fit over {m['runs_fitted']} runs); realtime alone takes {m['rt_share']:.2f} of the engine, batch "
+              f"alone {m['batch_share']:.2f}; model frontier: batch keeps at most {m['kept_at_1.2']:.2f} of its "
+              f"throughput at realtime x1.2, and keeping 0.5 costs realtime x{m['ratio_at_kept_0.5']:.2f}")
+
+
+def plot(summary: dict, path: Path, model: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -235,6 +260,12 @@ def plot(summary: dict, path: Path) -> None:
         ax.errorbar(x, y, xerr=[[x - row["batch_kept"]["min"]], [row["batch_kept"]["max"] - x]],
                     yerr=[[y - row["p99_ratio"]["min"]], [row["p99_ratio"]["max"] - y]],
                     fmt="o" if name.startswith("sluice") else "s", capsize=3, label=name)
+    for side, m in (model or {}).items():
+        ks = [i / 100 for i in range(0, 100)]
+        pts = [(k, frontier.ratio_at(k, m["rt_share"], m["batch_share"])) for k in ks]
+        pts = [(k, r) for k, r in pts if r < 50]
+        ax.plot([k for k, _ in pts], [r for _, r in pts], ls="--", lw=1,
+                label=f"{side} step-time model ({m['fixed_ms']:.0f} + {m['per_token_ms']:.1f} ms/token)")
     ax.axhline(1.2, color="grey", ls=":", lw=1)
     ax.axvline(0.5, color="grey", ls=":", lw=1)
     ax.set_yscale("log")
@@ -307,10 +338,12 @@ async def main(args) -> None:
     print(f"{'run':20s}" + "".join(f"{c:>22s}" for c in cols))
     for name, row in summary.items():
         print(f"{name:20s}" + "".join(f"{cell(row, c):>22s}" for c in cols))
+    model = step_model(results, summary)
+    print_model(model)
     (OUT / "isolation.json").write_text(json.dumps({"args": vars(args), "summary": summary, "runs": results,
-                                                    "machine": common.machine(), "date": common.today(),
-                                                    "rev": common.git_rev()}, indent=2))
-    plot(summary, OUT / "isolation.png")
+                                                    "model": model, "machine": common.machine(),
+                                                    "date": common.today(), "rev": common.git_rev()}, indent=2))
+    plot(summary, OUT / "isolation.png", model)
     print(f"wrote {OUT / 'isolation.json'} and {OUT / 'isolation.png'}")
 
 
@@ -328,4 +361,15 @@ if __name__ == "__main__":
     p.add_argument("--slo-ms", type=int, default=None,
                    help="add the `sluice slo` run: SLO admission with this realtime slo_ms")
     p.add_argument("--runs", default=None, help="comma-separated subset of the runs (default: all)")
-    asyncio.run(main(p.parse_args()))
+    p.add_argument("--report", type=Path, default=None,
+                   help="run nothing: print the step-time model of a saved isolation.json and redraw its plot")
+    a = p.parse_args()
+    if a.report:
+        saved = json.loads(a.report.read_text())
+        print(f"{a.report}: rev {saved.get('rev')}, {saved.get('date')}, {saved.get('machine')}")
+        saved["model"] = step_model(saved["runs"], saved["summary"])
+        print_model(saved["model"])
+        a.report.write_text(json.dumps(saved, indent=2))
+        plot(saved["summary"], a.report.with_suffix(".png"), saved["model"])
+    else:
+        asyncio.run(main(a))

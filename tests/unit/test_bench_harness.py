@@ -90,3 +90,4 @@ def test_step_ms(name, events, expected):
 
     got = step_ms(events, 0.0, 1.0)
     assert got == (pytest.approx(expected) if expected is not None else None)
+
