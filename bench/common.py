@@ -68,6 +68,30 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+async def stage_totals(port: int, latency_class: str) -> dict[str, tuple[float, float]]:
+    """A worker's `sluice_stage_seconds` (count, sum) per stage for one class, read from its /metrics."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{port}/metrics") as r:
+            text = await r.text()
+    out: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "sluice_stage_seconds":
+            continue
+        for sample in family.samples:
+            if sample.labels.get("class") == latency_class and sample.name.endswith(("_count", "_sum")):
+                out.setdefault(sample.labels["stage"], [0.0, 0.0])[sample.name.endswith("_sum")] = sample.value
+    return {stage: (c, t) for stage, (c, t) in out.items()}
+
+
+def stage_means_ms(before: dict, after: dict) -> dict[str, float]:
+    """Mean milliseconds per stage over the requests answered between two `stage_totals` readings."""
+    return {stage: 1000 * (t - before.get(stage, (0, 0))[1]) / (c - before.get(stage, (0, 0))[0])
+            for stage, (c, t) in after.items() if c > before.get(stage, (0, 0))[0]}
+
+
 async def wait_http(url: str, proc, timeout: float = 600, poll_s: float = 1.0) -> None:
     """Until `url` answers 200; fails early if `proc` exits."""
     import aiohttp

@@ -116,8 +116,10 @@ class SluiceArm:
     async def start(self) -> None:
         from aiokafka import AIOKafkaConsumer, TopicPartition
 
+        self.port = common.free_port()
         _, env = common.bench_engine_settings(self.args, SLUICE_KV_PAGES="false", SLUICE_LOG_LEVEL="info",
-                                              SLUICE_KAFKA_FETCH_MAX_WAIT_MS=str(self.fetch_wait_ms))
+                                              SLUICE_KAFKA_FETCH_MAX_WAIT_MS=str(self.fetch_wait_ms),
+                                              SLUICE_METRICS_PORT=str(self.port))
         env[common.RESERVED_CPUS_ENV] = str(self.args.reserved_cpus)
         procs = []
         self.cat = await self.stack.enter_async_context(
@@ -182,10 +184,13 @@ class SluiceArm:
     async def run(self, rep: int) -> dict:
         evs = events_for(rep, self.args.n)
         tag = uuid.uuid4().hex[:6]
+        before = await common.stage_totals(self.port, "realtime")
         res = await steady(len(evs), self.args.rate, lambda i: self._score(evs[i], f"{tag}-{rep}-{i}"),
                            desc=f"{self.name} rep {rep}")
+        stages = common.stage_means_ms(before, await common.stage_totals(self.port, "realtime"))
         return {"latency_s": [r["latency_s"] for r in res], "worker_s": [r["worker_s"] for r in res],
-                "reply_s": [r["reply_s"] for r in res], "scores": {evs[i]["id"]: r["scores"] for i, r in enumerate(res)}}
+                "reply_s": [r["reply_s"] for r in res], "stages_ms": stages,
+                "scores": {evs[i]["id"]: r["scores"] for i, r in enumerate(res)}}
 
     async def stop(self) -> None:
         await self.stack.aclose()
@@ -242,6 +247,8 @@ async def main(args) -> None:
                 row[part.removesuffix("_s") + "_p50"] = harness.spread([ms(r[part], 50) for r in rs])
             row["added_p50"] = harness.spread([ms(r["latency_s"], 50) - ms(d["latency_s"], 50)
                                                for r, d in zip(rs, runs["direct"])])
+            row["stages_mean_ms"] = {st: harness.spread([r["stages_ms"][st] for r in rs])
+                                     for st in rs[0]["stages_ms"]}
         summary[name] = row
     print(f"\n{args.n} realtime fraud scores at {args.rate}/s per run, {args.reps} repetitions in rotated order; "
           f"{common.machine()}; {common.today()}; rev {common.git_rev()}")
@@ -257,6 +264,12 @@ async def main(args) -> None:
     for name, row in summary.items():
         print(f"{name:12s} " + " ".join(f"{cell(row, k):>20s}" for k in ("p50", "p99", "worker_p50", "reply_p50",
                                                                           "added_p50")))
+    print("inside the worker, mean ms per request (sluice_stage_seconds): fetch = record timestamp to read, "
+          "admission = intake window + stored-answer lookup and claim + queue, engine, reply = answer stored + done "
+          "produced and acknowledged")
+    for name, row in summary.items():
+        if "stages_mean_ms" in row:
+            print(f"{name:12s} " + "  ".join(f"{st} {cell(row['stages_mean_ms'], st)}" for st in row["stages_mean_ms"]))
     (OUT / "score_latency.json").write_text(json.dumps(
         {"args": {k: v for k, v in vars(args).items() if k != "child_direct"}, "arms": reports, "summary": summary,
          "runs": {n: [{k: v for k, v in r.items() if k != "scores"} for r in rs] for n, rs in runs.items()},

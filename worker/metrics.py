@@ -55,6 +55,13 @@ time_to_first_token = Histogram("sluice_time_to_first_token_seconds", "From reco
                                 ["class"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
 end_to_end = Histogram("sluice_end_to_end_seconds", "From record timestamp to done/error produced",
                        ["class"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
+STAGES = ("fetch", "admission", "engine", "reply")
+STAGE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+stage_seconds = Histogram(
+    "sluice_stage_seconds", "Where a request's end-to-end time goes: fetch (record timestamp to read by the "
+    "worker), admission (read to engine: intake window, stored-answer lookup and claim, queue), engine, "
+    "reply (answer stored, done produced and acknowledged)", ["class", "stage"], buckets=STAGE_BUCKETS,
+    registry=REGISTRY)
 suspended = Counter("sluice_requests_suspended_total", "Running requests suspended for a higher class",
                     ["class"], registry=REGISTRY)
 commits = Counter("sluice_offset_commits_total", "Offset commits", ["result"], registry=REGISTRY)
@@ -151,6 +158,8 @@ def start_series(classes) -> None:
                        waiting, in_engine, admission_cap, paused_partitions, time_to_first_token, end_to_end, inter_token):
             family.labels(cls)
         unauthenticated.labels(cls)
+        for stage in STAGES:
+            stage_seconds.labels(cls, stage)
         for outcome in OUTCOMES:
             requests_completed.labels(cls, outcome)
         for source in ("computed", "local_cache", "redis"):

@@ -99,7 +99,9 @@ class Replies:
         await self._audit(cls, self._source(job), job.request.id, outcome, job=job, final=final)
         metrics.requests_completed.labels(cls, outcome).inc()
         metrics.tenant_requests.labels(metrics.tenant_label(job.tenant), outcome).inc()
-        metrics.end_to_end.labels(cls).observe(max(0.0, time.time() - job.timestamp_ms / 1000))
+        now = time.time()
+        metrics.end_to_end.labels(cls).observe(max(0.0, now - job.timestamp_ms / 1000))
+        job.observe_stages(now)
         log.info("request_answered", request_id=job.request.id, cls=cls, outcome=outcome, segments=job.segments)
 
     async def superseded(self, job) -> None:

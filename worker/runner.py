@@ -57,6 +57,18 @@ class Job:
     resumed: bool = False
     suspend: asyncio.Event = field(default_factory=asyncio.Event)
     slot_released: bool = True  # set False while the job holds an engine slot
+    # wall-clock seconds (as record timestamps are) of its stages: read by intake, in the engine, out of it
+    read_at: float = field(default_factory=time.time)
+    engine_at: float | None = None
+    engine_done_at: float | None = None
+
+    def observe_stages(self, now: float) -> None:
+        """Where this request's end-to-end time went (`sluice_stage_seconds`); only for requests that ran."""
+        if self.engine_at is None or self.engine_done_at is None:
+            return
+        marks = (self.timestamp_ms / 1000, self.read_at, self.engine_at, self.engine_done_at, now)
+        for stage, start, end in zip(metrics.STAGES, marks, marks[1:]):
+            metrics.stage_seconds.labels(self.latency_class, stage).observe(max(0.0, end - start))
 
     @property
     def state_id(self) -> str:
@@ -144,6 +156,8 @@ class Runner:
         req = job.request
         log = structlog.get_logger("sluice.runner").bind(
             request_id=req.id, cls=job.latency_class, partition=getattr(job.tp, "partition", None), offset=job.offset)
+        if job.engine_at is None:
+            job.engine_at = time.time()
         try:
             if job.segments == 0:
                 if req.deadline_ms is not None and _now_ms() >= req.deadline_ms:
@@ -156,6 +170,7 @@ class Runner:
                 if job.progress is not None:
                     await self._resume(job, log)
             final = await self._generate(job, self.params(req, len(job.prompt_ids), job.label_ids), log)
+            job.engine_done_at = time.time()
         except Rejected as exc:
             final = ErrorReply(req.id, exc.code, exc.message)
         except (EngineDead, Suspended, Fenced, asyncio.CancelledError):

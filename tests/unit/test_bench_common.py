@@ -28,3 +28,10 @@ def test_engine_arguments_become_the_same_server_flags():
     flags = common.vllm_cli_flags({"model": "m", "max_num_seqs": 64, "enable_prefix_caching": False,
                                    "disable_log_stats": True, "quantization": None})
     assert flags == ["--model", "m", "--max-num-seqs", "64", "--no-enable-prefix-caching", "--disable-log-stats"]
+
+
+def test_stage_means_cover_only_the_requests_between_two_readings():
+    before = {"engine": (10, 5.0), "reply": (10, 0.1)}
+    after = {"engine": (14, 7.0), "reply": (14, 0.14), "fetch": (4, 0.02)}
+    assert common.stage_means_ms(before, after) == pytest.approx({"engine": 500.0, "reply": 10.0, "fetch": 5.0})
+    assert common.stage_means_ms(after, after) == {}  # nothing answered in between: no mean at all

@@ -3,6 +3,8 @@
 import asyncio
 import time
 
+import pytest
+
 from schemas import DoneReply, Request, TokenReply
 from tests.unit.harness import CATALOG, J, Memory, running, until
 from worker.fake_engine import FakeEngine
@@ -363,3 +365,26 @@ async def test_an_answer_that_cannot_be_stored_is_marked_on_its_done():
     (done,) = mem.finals()["u1"]
     assert done.unchecked and "default:u1" not in mem.answers.answers
     assert not any(t.unchecked for t in mem.tokens())
+
+
+async def test_stage_times_say_where_a_request_spent_its_end_to_end_time():
+    from worker import metrics
+
+    def sample(name, **labels):
+        return metrics.REGISTRY.get_sample_value(name, {"class": "standard", **labels}) or 0.0
+
+    before = {st: (sample("sluice_stage_seconds_count", stage=st), sample("sluice_stage_seconds_sum", stage=st))
+              for st in metrics.STAGES}
+    e2e_before = sample("sluice_end_to_end_seconds_sum")
+    mem = Memory(partitions=1, engine=Gated())
+    mem.send("standard", J({"id": "staged", "prompt": "hold", "max_tokens": 2}), b"staged")
+    async with running(mem):
+        await asyncio.sleep(0.3)  # held in the engine
+        mem.engine.release.set()
+        assert await until(lambda: list(mem.finals()) == ["staged"])
+    spent = {st: sample("sluice_stage_seconds_sum", stage=st) - before[st][1] for st in metrics.STAGES}
+    assert all(sample("sluice_stage_seconds_count", stage=st) - before[st][0] == 1 for st in metrics.STAGES)
+    assert 0.2 <= spent["engine"] < 2  # held for most of the 0.3 s
+    assert spent["reply"] < spent["engine"] and spent["admission"] < spent["engine"]
+    # the stages tile the end-to-end time: record timestamp -> read -> engine -> out of it -> answered
+    assert sum(spent.values()) == pytest.approx(sample("sluice_end_to_end_seconds_sum") - e2e_before, abs=0.01)
