@@ -131,7 +131,7 @@ async def worker_process(s, tag: str, log_path: Path, procs: list | None = None,
                            .replace('name = "sluice.', f'name = "{prefix}sluice.'))
     cat = topics.load(topics_file)
     await apply(s.kafka.options(), cat)
-    port = free_port()
+    port = int(env.get("SLUICE_METRICS_PORT") or free_port())  # a caller that scrapes /metrics picks it
     full = {**os.environ, "SLUICE_TOPICS_FILE": str(topics_file), "SLUICE_METRICS_PORT": str(port),
             "SLUICE_METRICS_HOST": "127.0.0.1", "SLUICE_KAFKA_IDEMPOTENCE": "false", "SLUICE_MODEL": s.engine.model,
             "SLUICE_GROUP_ID": f"{tag}-{uuid.uuid4().hex[:6]}", "SLUICE_LOG_LEVEL": "warning",
