@@ -166,7 +166,12 @@ def bench_engine_settings(args, **extra):
 
 
 def arm_env(args) -> dict:
-    return {**os.environ, RESERVED_CPUS_ENV: str(args.reserved_cpus), "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib)}
+    """Environment of a vLLM arm that is not a worker: the binding, KV cache and compile mode a worker's
+    engine gets from its settings (`worker.engine.compile_env`)."""
+    from worker.engine import compile_env
+
+    return {**os.environ, RESERVED_CPUS_ENV: str(args.reserved_cpus), "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib),
+            **compile_env(load(environ=dict(os.environ)).engine)}
 
 
 def binding(log_text: str) -> str | None:
