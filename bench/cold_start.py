@@ -1,13 +1,16 @@
 """Worker cold start: engine construction to first token, first start and restart, per compile mode.
 
-    python bench/cold_start.py [--modes auto,graph-cache,eager]
+    python bench/cold_start.py [--modes auto,graph-cache,eager] [--worker]
 
 For each `SLUICE_COMPILE_MODE`, two engine starts in fresh processes with one compile cache
 (`VLLM_CACHE_ROOT`, empty before the first): the first start compiles, the restart may load
 what the first one cached. Each start is timed from the process's start to the end of a
 one-token generation, and its log is searched for whether vLLM loaded its compile cache or
 compiled again because its cache failed to load (and why). Then one short greedy generation per mode is compared with the
-`auto` mode's, so a mode that changes outputs is caught. Writes bench/cold_start.json.
+`auto` mode's, so a mode that changes outputs is caught. `--worker` also times what an operator
+waits for: a whole `sluice worker` process (settings, preflight, engine, warm-up, consumer group)
+from its start to `/readyz` answering 200, first start and restart, with the same cache.
+Writes bench/cold_start.json.
 """
 
 from __future__ import annotations
@@ -30,27 +33,37 @@ from bench import common  # noqa: E402
 OUT = Path(__file__).resolve().parent
 CHILD = """
 import asyncio, json, sys, time
-t0 = float(sys.argv[1])
+t0, n, tokens = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 from bench import common
 from worker.engine import GenParams
 async def main():
-    s = common.settings()
+    s = common.settings(SLUICE_IGNORE_EOS="true")
     eng = await common.engine(s)
     text = []
     async for d in eng.generate("cold", eng._tokenizer.encode("The capital of France is"), GenParams(12), 0):
         text.append(d.text)
     ready = time.time() - t0
+    out = {"ready_s": ready, "text": "".join(text)}
+    if n:  # steady decoding once started: what a mode costs per step, not only at start
+        async def one(i):
+            async for _ in eng.generate(f"tp{i}", eng._tokenizer.encode(f"Request {i}: tell a story"),
+                                        GenParams(tokens), 0):
+                pass
+        start = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        out["decode_tok_s"] = n * tokens / (time.perf_counter() - start)
     eng.shutdown()
-    print("RESULT " + json.dumps({"ready_s": ready, "text": "".join(text)}), flush=True)
+    print("RESULT " + json.dumps(out), flush=True)
 asyncio.run(main())
 """
 
 
-def start(mode: str, cache: Path) -> dict:
+def start(mode: str, cache: Path, n: int = 0, tokens: int = 0) -> dict:
     env = {**os.environ, "SLUICE_COMPILE_MODE": mode, "VLLM_CACHE_ROOT": str(cache),
            "PYTHONPATH": str(OUT.parent)}
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(t0)], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(t0), str(n), str(tokens)], env=env,
+                          capture_output=True, text=True,
                           timeout=900, cwd=OUT.parent)
     log = proc.stdout + proc.stderr
     line = next((x for x in log.splitlines() if x.startswith("RESULT ")), None)
@@ -63,13 +76,30 @@ def start(mode: str, cache: Path) -> dict:
     return result
 
 
+def worker_start(mode: str, cache: Path) -> float:
+    """Seconds from a `sluice worker` process's start to its /readyz answering 200."""
+    import asyncio
+
+    async def run() -> float:
+        s = common.settings()
+        t0 = time.monotonic()
+        async with common.worker_process(s, "cold", OUT / f".cold-{mode}.log", SLUICE_COMPILE_MODE=mode,
+                                         VLLM_CACHE_ROOT=str(cache)):
+            return time.monotonic() - t0
+
+    return asyncio.run(run())
+
+
 def main(args) -> None:
     modes = args.modes.split(",")
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode in tqdm(modes, desc="modes", unit="mode"):
             cache = Path(tmp) / mode
-            rows[mode] = {"first": start(mode, cache), "restart": start(mode, cache)}
+            rows[mode] = {"first": start(mode, cache),
+                          "restart": start(mode, cache, args.decode_requests, args.decode_tokens)}
+            if args.worker:
+                rows[mode]["worker_ready_s"] = [worker_start(mode, cache), worker_start(mode, cache)]
     print(f"\n{common.machine()}; {common.today()}; rev {common.git_rev()}")
     print(f"{'mode':12s} {'first s':>8s} {'restart s':>9s}  restart: vLLM's compile cache")
     for mode, r in rows.items():
@@ -77,6 +107,14 @@ def main(args) -> None:
         why = (f"failed to load, compiled again: {again['recompiled_because']}" if again["recompiled_because"]
                else "nothing to load (no compilation)" if mode == "eager" else "no load failure reported")
         print(f"{mode:12s} {first['ready_s']:8.1f} {again['ready_s']:9.1f}  {why}")
+    for mode, r in rows.items():
+        if "decode_tok_s" in r["restart"]:
+            print(f"{mode:12s} decoding after the restart: {r['restart']['decode_tok_s']:.1f} tokens/s "
+                  f"({args.decode_requests} requests x {args.decode_tokens} tokens at once, ignore_eos)")
+    for mode, r in rows.items():
+        if "worker_ready_s" in r:
+            print(f"{mode:12s} sluice worker start to /readyz: " + ", ".join(f"{t:.1f} s" for t in r["worker_ready_s"])
+                  + " (both after the engine starts above, so the cache is warm for both)")
     reference = rows.get("auto", next(iter(rows.values())))["first"]["text"]
     for mode, r in rows.items():
         same = r["first"]["text"] == reference == r["restart"]["text"]
@@ -89,4 +127,8 @@ def main(args) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="auto,graph-cache,eager")
+    p.add_argument("--decode-requests", type=int, default=32,
+                   help="after each restart, time this many requests decoded at once (0: skip)")
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--worker", action="store_true", help="also time `sluice worker` start to /readyz, twice")
     main(p.parse_args())

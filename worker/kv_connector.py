@@ -398,8 +398,7 @@ class SluiceKVConnector(KVConnectorBase_V1):
                     break
             values = []
             for digest, pending, i, layers in batch:
-                pending.wait()
-                value = kv_pages.encode(digest, dtype_name, mover.page_shape, layers, pending.page_bytes(i))
+                value = kv_pages.encode_parts(digest, dtype_name, mover.page_shape, layers, pending.page_parts(i))
                 values.append((digest, value if self.sealer is None else self.sealer.seal(value, self._key(digest))))
             done = self.redis.pipeline_run([("set", self._key(d), v, self.ttl_s) for d, v in values])
             if done is None:

@@ -98,19 +98,36 @@ def _pinned(shape, dtype, device: torch.device) -> torch.Tensor:
 
 
 class HostPages:
-    """Pages on their way to host memory: `wait()` returns them once the copy has landed."""
+    """Pages on their way to host memory: `wait()` returns them once the copy has landed.
 
-    def __init__(self, host: torch.Tensor, event):
-        self.host, self.event = host, event
+    On CPU the gathered pages already are host memory, one tensor per layer: they are not stacked
+    on the engine's thread; `page_parts` hands the writer each layer's piece of a page instead.
+    """
+
+    def __init__(self, host: torch.Tensor | None, event, per_layer: list[torch.Tensor] | None = None):
+        self.host, self.event, self.per_layer = host, event, per_layer
 
     def wait(self) -> torch.Tensor:
+        """[n, layers, *page] once the copy has landed (on CPU, stacked now: tests and tools only)."""
         if self.event is not None:
             self.event.synchronize()  # blocks only the caller (the writer thread), never the device
+        if self.host is None:
+            self.host = torch.stack(self.per_layer, dim=1)
         return self.host
 
+    def page_parts(self, i: int) -> list[memoryview]:
+        """Page i (all layers) as layer-major byte pieces, without a copy; waits for the device copy."""
+        if self.per_layer is not None:
+            return [_byte_view(layer[i]) for layer in self.per_layer]
+        return [_byte_view(self.wait()[i])]
+
     def page_bytes(self, i: int) -> bytes:
-        """Page i (all layers) as raw bytes, layer-major; call after `wait`."""
-        return self.host[i].contiguous().view(torch.uint8).numpy().tobytes()
+        """Page i (all layers) as raw bytes, layer-major."""
+        return b"".join(self.page_parts(i))
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
 class PageMover:
@@ -153,7 +170,7 @@ class PageMover:
         forward pass. The returned `HostPages.wait()` is the only synchronisation.
         """
         if self._side is None:  # CPU: the gathered pages already are host memory
-            return HostPages(torch.stack(per_layer, dim=1), None)
+            return HostPages(None, None, per_layer)
         current = _current_stream(self.device)
         with _stream_context(self._side):
             self._side.wait_stream(current)

@@ -72,6 +72,24 @@ def encode(digest: bytes, dtype: str, shape: tuple[int, ...], layers: int, paylo
     return MAGIC + _LEN.pack(len(header)) + header + payload
 
 
+def encode_parts(digest: bytes, dtype: str, shape: tuple[int, ...], layers: int, parts: list) -> memoryview:
+    """`encode` of the payload `b"".join(parts)`, byte for byte, with the payload copied once (pages
+    are megabytes: the connector's writer hands each layer's piece of a page as it lies in memory)."""
+    check = hashlib.blake2b(key=digest[:64], digest_size=16)
+    for part in parts:
+        check.update(part)
+    header = _enc.encode(PageHeader(dtype, tuple(shape), layers, check.digest()))
+    start = len(MAGIC) + _LEN.size + len(header)
+    sizes = [memoryview(part).nbytes for part in parts]
+    out = bytearray(start + sum(sizes))
+    out[:start] = MAGIC + _LEN.pack(len(header)) + header
+    at = start
+    for part, size in zip(parts, sizes):
+        out[at:at + size] = part
+        at += size
+    return memoryview(out)
+
+
 def decode(digest: bytes, value: bytes | None, dtype: str, shape: tuple[int, ...], layers: int,
            itemsize: int) -> memoryview:
     """The payload of a value stored for `digest` (a view, not a copy), or `PageError` naming why it is unusable."""

@@ -34,6 +34,8 @@ def roundtrip(device: str, shape, dtype):
     assert host.device.type == "cpu" and host.shape == (3, LAYERS, *mover.page_shape)
     payloads = [pending.page_bytes(i) for i in range(len(blocks))]
     assert all(len(p) == mover.page_bytes for p in payloads)
+    # the pieces the writer stores are the stacked page's bytes, in the same order
+    assert payloads == [host[i].contiguous().view(torch.uint8).numpy().tobytes() for i in range(len(blocks))]
 
     dst = [torch.zeros_like(kv) for kv in cache(shape, dtype, device, seed=2)]
     loader = PageMover(dst, BLOCKS)

@@ -22,6 +22,15 @@ def test_a_good_page_round_trips():
     assert kv_pages.decode(D0, GOOD, "float32", SHAPE, LAYERS, ITEM) == PAYLOAD
 
 
+@pytest.mark.parametrize("cuts", [(), (256,), (1, 2, 3), tuple(range(256, len(PAYLOAD), 256))])
+def test_a_page_written_from_pieces_is_the_same_value(cuts):
+    # the connector's writer hands each layer's piece of a page as it lies in memory
+    bounds = (0, *cuts, len(PAYLOAD))
+    parts = [memoryview(PAYLOAD)[a:b] for a, b in zip(bounds, bounds[1:])]
+    value = kv_pages.encode_parts(D0, "float32", SHAPE, LAYERS, parts)
+    assert bytes(value) == GOOD  # and so it decodes as GOOD does
+
+
 @pytest.mark.parametrize("name,digest,value,dtype,shape,layers,reason", [
     ("missing", D0, None, "float32", SHAPE, LAYERS, "missing"),
     ("empty", D0, b"", "float32", SHAPE, LAYERS, "corrupt"),
