@@ -1,14 +1,16 @@
-"""sluice backfill vs. vLLM offline scoring of the same events, one run.
+"""sluice backfill vs. vLLM offline scoring of the same events.
 
-    python bench/backfill.py [--events 1024]
+    python bench/backfill.py [--events 1024] [--reps 3]
 
-Publishes N seeded transaction events to a fresh topic, then scores them
+Each repetition publishes N transaction events (seeded by the repetition) to a fresh topic, and
+both arms score the same events, in a rotated order:
   offline  vLLM `LLM.generate` in its own process: the `fraud` template rendered
            per event, one step each with the labels' log-probabilities (the ceiling)
   sluice   `sluice worker` in its own process; `sluice backfill` over the whole
            topic through the batch class, results written to an output topic
-and prints both throughputs (events/s), their ratio, and how far sluice's scores
-are from the offline ones for the same events. Writes bench/backfill.json.
+Both arms stay up for the whole run. Prints both throughputs (events/s, median [min-max]), the
+ratio per repetition and its median, and how far sluice's scores are from the offline ones for
+the same events. Writes bench/backfill.json.
 
 Both arms get the same engine arguments (`worker.engine.engine_args` from the same
 settings) and the same reserved CPUs (`--reserved-cpus`); the engine configuration each arm's
@@ -21,9 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
-import os
 import sys
 import time
 import uuid
@@ -43,7 +45,7 @@ OUT = Path(__file__).resolve().parent
 
 
 def offline_child(args) -> None:
-    """Own process: render, score with vLLM offline, print one JSON line."""
+    """Own process: render, score with vLLM offline; one RESULT line per repetition asked on stdin."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -65,94 +67,137 @@ def offline_child(args) -> None:
 
     labels = list(template.labels)
     firsts = [tok.encode(label, add_special_tokens=False)[0] for label in labels]
-    events = transactions(args.events, seed=args.seed)
     sp = SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=firsts)
-    llm.generate([TokensPrompt(prompt_token_ids=ids(template.render(e))) for e in events[:8]], sp,
-                 use_tqdm=False)  # warm-up
-    t0 = time.monotonic()
-    # rendering and tokenization inside the timed window, as the worker does them per record
-    prompts = [TokensPrompt(prompt_token_ids=ids(template.render(e))) for e in events]
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    span = time.monotonic() - t0
-    scores = {}
-    for e, o in zip(events, outs):
-        lp = o.outputs[0].logprobs[0]
-        w = [math.exp(lp[t].logprob) for t in firsts]
-        scores[e["id"]] = {label: x / sum(w) for label, x in zip(labels, w)}
-    print("RESULT " + json.dumps({"seconds": span, "events": len(outs), "scores": scores}), flush=True)
+    warm = transactions(8, seed=10_000)
+    llm.generate([TokensPrompt(prompt_token_ids=ids(template.render(e))) for e in warm], sp, use_tqdm=False)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        events = transactions(args.events, seed=json.loads(line)["seed"])
+        t0 = time.monotonic()
+        # rendering and tokenization inside the timed window, as the worker does them per record
+        prompts = [TokensPrompt(prompt_token_ids=ids(template.render(e))) for e in events]
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        span = time.monotonic() - t0
+        scores = {}
+        for e, o in zip(events, outs):
+            lp = o.outputs[0].logprobs[0]
+            w = [math.exp(lp[t].logprob) for t in firsts]
+            scores[e["id"]] = {label: x / sum(w) for label, x in zip(labels, w)}
+        print("RESULT " + json.dumps({"seconds": span, "events": len(outs), "scores": scores}), flush=True)
 
 
-def run_offline(args) -> dict:
-    return common.run_offline_child(__file__, args.model, env=common.arm_env(args), log_path=OUT / ".backfill-offline.log")
+class OfflineArm(common.ChildArm):
+    def __init__(self, args):
+        super().__init__("offline", [sys.executable, __file__, "--child-offline", *sys.argv[1:], "--model", args.model],
+                         common.arm_env(args), OUT / ".backfill-offline.log")
+
+    async def run(self, seed: int) -> dict:
+        return await self.ask(json.dumps({"seed": seed}))
 
 
-async def run_sluice(args, s) -> dict:
-    from schemas.events import BackfillResult
-    from worker.backfill import Backfill, Job
+class SluiceArm:
+    """`sluice worker` kept up for the whole run; each repetition is one backfill job over a fresh topic."""
 
-    _, env = common.bench_engine_settings(args, SLUICE_KV_PAGES="false", SLUICE_LOG_LEVEL="info")
-    env[common.RESERVED_CPUS_ENV] = str(args.reserved_cpus)
-    async with common.worker_process(s, "bb", OUT / ".backfill-worker.log", **env) as cat:
-        prefix = cat.replies.name[: -len("sluice.replies")]
-        source, out = f"{prefix}events", f"{prefix}scored"
+    name = "sluice"
+    log_path = OUT / ".backfill-worker.log"
+
+    def __init__(self, args, s):
+        self.args, self.s = args, s
+        self.stack = contextlib.AsyncExitStack()
+
+    async def start(self) -> None:
+        _, env = common.bench_engine_settings(self.args, SLUICE_KV_PAGES="false", SLUICE_LOG_LEVEL="info")
+        env[common.RESERVED_CPUS_ENV] = str(self.args.reserved_cpus)
+        self.cat = await self.stack.enter_async_context(common.worker_process(self.s, "bb", self.log_path, **env))
+        self.prefix = self.cat.replies.name[: -len("sluice.replies")]
+        source = await self._publish("warm", 10_000, 8)  # warm the worker with a job of its own
+        await self._job(source, "warm").run()
+
+    async def _publish(self, tag: str, seed: int, n: int) -> str:
         from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-        admin = AIOKafkaAdminClient(**s.kafka.options())
+        source = f"{self.prefix}events-{tag}"
+        admin = AIOKafkaAdminClient(**self.s.kafka.options())
         await admin.start()
         await admin.create_topics([NewTopic(source, 6, 1)])
         await admin.close()
-        events = transactions(args.events, seed=args.seed)
-        await produce(s.kafka.options(), [(source, e["id"].encode(), msgspec.json.encode(e), []) for e in events])
-        # warm the worker with a few score requests of another job
-        warm = Backfill(s, cat, Job(source=source, out=f"{out}-warm", template="fraud", stop="8",
-                                    name=f"warm-{uuid.uuid4().hex[:6]}"), state_dir=OUT / ".backfill-state",
-                        log=lambda *_: None)
-        await warm.run()
-        job = Job(source=source, out=out, template="fraud", name=f"bench-{uuid.uuid4().hex[:6]}")
-        bf = Backfill(s, cat, job,
-                      state_dir=OUT / ".backfill-state", max_in_flight=args.max_in_flight,
-                      progress=lambda total, initial: tqdm(total=total, initial=initial, desc="sluice backfill",
-                                                           unit="ev", mininterval=2),
-                      log=lambda *_: None)
+        await produce(self.s.kafka.options(), [(source, e["id"].encode(), msgspec.json.encode(e), [])
+                                               for e in transactions(n, seed=seed)])
+        return source
+
+    def _job(self, source: str, tag: str, bar: bool = False):
+        from worker.backfill import Backfill, Job
+
+        job = Job(source=source, out=f"{self.prefix}scored-{tag}", template="fraud",
+                  name=f"bench-{tag}-{uuid.uuid4().hex[:6]}")
+        progress = (lambda total, initial: tqdm(total=total, initial=initial, desc=f"sluice backfill {tag}",
+                                                unit="ev", mininterval=2)) if bar else None
+        return Backfill(self.s, self.cat, job, state_dir=OUT / ".backfill-state", max_in_flight=self.args.max_in_flight,
+                        progress=progress, log=lambda *_: None)
+
+    async def run(self, seed: int) -> dict:
+        from schemas.events import BackfillResult
+
+        tag = f"r{seed}-{uuid.uuid4().hex[:4]}"
+        source = await self._publish(tag, seed, self.args.events)  # published before the clock starts
+        bf = self._job(source, tag, bar=True)
         t0 = time.monotonic()
         cp = await bf.run()
         span = time.monotonic() - t0
         assert cp.complete, "backfill did not complete"
         dec = msgspec.json.Decoder(BackfillResult)
-        scores = {r.event_id: r.scores for r in (dec.decode(rec.value) for rec in await read_topic(s.kafka.options(), out))}
-    return {"seconds": span, "events": cp.events, "errors": cp.errors, "scores": scores}
+        scores = {r.event_id: r.scores for r in (dec.decode(rec.value) for rec in
+                                                 await read_topic(self.s.kafka.options(), bf.job.out))}
+        return {"seconds": span, "events": cp.events, "errors": cp.errors, "scores": scores}
+
+    async def stop(self) -> None:
+        await self.stack.aclose()
 
 
 async def main(args) -> None:
     s = common.settings()
     args.model = args.model or s.engine.model
-    print("offline: vLLM LLM in a child process ...", flush=True)
-    off = run_offline(args)
-    print(f"offline: {off['events'] / off['seconds']:.1f} events/s")
-    print("sluice: `sluice worker` + backfill ...", flush=True)
-    sl = await run_sluice(args, s)
-    reports = {name: harness.arm_report((OUT / f".backfill-{name}.log").read_text(errors="replace"))
-               for name in ("offline", "worker")}
-    harness.check_alike(reports)
-    binding = {name: r["binding"] for name, r in reports.items()}
-    diffs = [abs(sl["scores"][k]["fraud"] - v["fraud"]) for k, v in off["scores"].items()
-             if sl["scores"].get(k)]
-    off_rate, sl_rate = off["events"] / off["seconds"], sl["events"] / sl["seconds"]
-    print(f"\n{args.events} transaction events, template fraud, max_num_seqs {args.max_num_seqs}, "
-          f"max_num_batched_tokens {args.max_num_batched_tokens}, {common.RESERVED_CPUS_ENV}={args.reserved_cpus}; "
-          f"{common.machine()}; {common.today()}; rev {common.git_rev()}")
+    arms = {"offline": OfflineArm(args), "sluice": SluiceArm(args, s)}
+    runs: dict[str, list[dict]] = {name: [] for name in arms}
+    started = []
+    try:
+        for name, arm in arms.items():
+            print(f"{name}: starting ...", flush=True)
+            await arm.start()
+            started.append(arm)
+        reports = {name: harness.arm_report(arm.log_path.read_text(errors="replace")) for name, arm in arms.items()}
+        harness.check_alike(reports)
+        for rep, order in enumerate(harness.orders(list(arms), args.reps)):
+            for name in order:
+                r = await arms[name].run(args.seed + rep)
+                runs[name].append(r)
+                print(f"rep {rep} {name}: {r['events'] / r['seconds']:.1f} events/s", flush=True)
+    finally:
+        for arm in started:
+            await arm.stop()
+    diffs = [abs(sl["scores"][k]["fraud"] - v["fraud"]) for off, sl in zip(runs["offline"], runs["sluice"])
+             for k, v in off["scores"].items() if sl["scores"].get(k)]
+    missing = sum(len(off["scores"]) - len(sl["scores"]) for off, sl in zip(runs["offline"], runs["sluice"]))
+    if missing or max(diffs, default=1.0) > 1e-6:
+        raise SystemExit(f"the arms did not score the same events alike ({missing} missing, largest difference "
+                         f"{max(diffs, default=float('nan')):.2e}): not the same work")
+    rates = {name: [r["events"] / r["seconds"] for r in rs] for name, rs in runs.items()}
+    ratio = harness.spread([a / b for a, b in zip(rates["sluice"], rates["offline"])])
+    print(f"\n{args.events} transaction events per repetition, template fraud, {args.reps} repetitions in rotated "
+          f"order, max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
+          f"{common.RESERVED_CPUS_ENV}={args.reserved_cpus}; {common.machine()}; {common.today()}; rev {common.git_rev()}")
     print("both arms: " + ", ".join(f"{k}={reports['offline'][k]}" for k in harness.COMPARED))
-    for name, b in binding.items():
-        print(f"  binding {name}: {b}")
-    print(f"offline  {off['events']:6d} events {off['seconds']:7.2f} s {off_rate:8.1f} events/s")
-    print(f"sluice   {sl['events']:6d} events {sl['seconds']:7.2f} s {sl_rate:8.1f} events/s  ({sl['errors']} errors)")
-    print(f"throughput sluice/offline: {sl_rate / off_rate:.3f}")
-    print(f"P(fraud) |sluice - offline|: mean {sum(diffs) / max(1, len(diffs)):.2e}, max {max(diffs, default=0):.2e} "
-          f"over {len(diffs)} events")
+    for name, rs in rates.items():
+        v = harness.spread(rs)
+        print(f"{name:8s} {v['median']:8.1f} events/s  [{v['min']:.1f}-{v['max']:.1f}]"
+              + (f"  ({sum(r['errors'] for r in runs[name])} errors)" if name == "sluice" else ""))
+    print(f"throughput sluice/offline: {ratio['median']:.3f}  [{ratio['min']:.3f}-{ratio['max']:.3f}]")
+    print(f"P(fraud) |sluice - offline|: max {max(diffs):.2e} over {len(diffs)} events")
     (OUT / "backfill.json").write_text(json.dumps({
-        "args": {k: v for k, v in vars(args).items() if k != "child_offline"}, "offline_events_per_s": off_rate,
-        "sluice_events_per_s": sl_rate, "ratio": sl_rate / off_rate, "score_diff_max": max(diffs, default=0),
-        "binding": binding, "arms": reports, "rev": common.git_rev(),
+        "args": {k: v for k, v in vars(args).items() if k != "child_offline"},
+        "events_per_s": {name: harness.spread(rs) for name, rs in rates.items()}, "ratio": ratio,
+        "runs": {name: [{k: v for k, v in r.items() if k != "scores"} for r in rs] for name, rs in runs.items()},
+        "score_diff_max": max(diffs), "arms": reports, "rev": common.git_rev(),
         "machine": common.machine(), "date": common.today()}, indent=2))
     print(f"wrote {OUT / 'backfill.json'}")
 
@@ -160,7 +205,8 @@ async def main(args) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--events", type=int, default=1024)
-    p.add_argument("--seed", type=int, default=5)
+    p.add_argument("--seed", type=int, default=5, help="repetition r scores the events of seed + r")
+    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--max-in-flight", type=int, default=512)

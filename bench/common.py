@@ -210,20 +210,6 @@ def vllm_cli_flags(engine_args: dict) -> list[str]:
     return flags
 
 
-def run_offline_child(script: str, model: str, env=None, log_path: Path | None = None) -> dict:
-    """Re-run `script` with --child-offline in its own process; returns the JSON of its RESULT line."""
-    import json
-
-    cmd = [sys.executable, script, "--child-offline", *sys.argv[1:], "--model", model]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(script).resolve().parent.parent, env=env)
-    if log_path is not None:
-        log_path.write_text(out.stderr + out.stdout)
-    for line in out.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    raise RuntimeError(f"offline run failed:\n{out.stderr[-4000:]}")
-
-
 def git_rev() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
