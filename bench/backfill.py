@@ -53,7 +53,7 @@ def offline_child(args) -> None:
 
     template = Templates().get("fraud")
     s, _ = common.bench_engine_settings(args)
-    llm = LLM(**engine_args(s.engine, resolve_dtype("auto", "cpu")))
+    llm = LLM(**engine_args(s.engine, resolve_dtype(s.engine.dtype, "cpu")))
     from worker.engine import describe_config
 
     print(harness.ARM_ENGINE + json.dumps(describe_config(llm.llm_engine.vllm_config)), flush=True)

@@ -83,7 +83,7 @@ def offline_child(args) -> None:
     from worker.engine import describe_config
 
     s, _ = common.bench_engine_settings(args)
-    llm = LLM(**engine_args(s.engine, resolve_dtype("auto", "cpu")))
+    llm = LLM(**engine_args(s.engine, resolve_dtype(s.engine.dtype, "cpu")))
     print(harness.ARM_ENGINE + json.dumps(describe_config(llm.llm_engine.vllm_config)), flush=True)
     llm.generate(WARM_UP, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     print("READY", flush=True)
@@ -124,7 +124,7 @@ class ServerArm:
         s, _ = common.bench_engine_settings(self.args)
         self.proc = subprocess.Popen(
             [sys.executable, str(OUT / "serve_arm.py"), "--port", str(self.port), "--host", "127.0.0.1",
-             *common.vllm_cli_flags(engine_args(s.engine, resolve_dtype("auto", "cpu"))), "--uvicorn-log-level",
+             *common.vllm_cli_flags(engine_args(s.engine, resolve_dtype(s.engine.dtype, "cpu"))), "--uvicorn-log-level",
              "warning"], env=common.arm_env(self.args), cwd=ROOT, stdout=open(self.log_path, "w"),
             stderr=subprocess.STDOUT, start_new_session=True)
         self.pid = self.proc.pid

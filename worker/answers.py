@@ -78,6 +78,18 @@ redis.call('HSET', KEYS[2], unpack(ARGV, 3))
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 return 1
 """
+# Intake: KEYS[1] the answer, KEYS[2] the progress, KEYS[3] the owner key; ARGV[1] the attempt's owner
+# token ('' claims nothing), ARGV[2] the claim's TTL, ARGV[3] '1' to read the progress. A stored answer is
+# returned as {1, answer} and nothing is claimed (the id is answered from it); otherwise {0, progress
+# as HGETALL's flat list}, claimed after the progress was read, in one round and one step.
+_LOOKUP_AND_CLAIM = """
+local answer = redis.call('GET', KEYS[1])
+if answer then return {1, answer} end
+local progress = {}
+if ARGV[3] == '1' then progress = redis.call('HGETALL', KEYS[2]) end
+if ARGV[1] ~= '' then redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[2]) end
+return {0, progress}
+"""
 # Answer: KEYS[2] the answer, KEYS[3] the progress (removed with the claim); ARGV[2] the answer, ARGV[3] its TTL.
 _ANSWER_IF_OWNER = """
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -257,43 +269,62 @@ class AnswerStore:
 
     async def lookup_many(self, request_ids: list[str], streamed: list[bool],
                           owners: list[str] | None = None) -> list[tuple[bytes | None, Progress | None]]:
-        """(stored answer, progress) per id, one pipelined round; (None, None)s when degraded.
+        """(stored answer, progress) per id, one pipelined round of one script per id; (None, None)s
+        when degraded.
 
         Only streamed requests write progress, so only theirs is read. With `owners`, each request
-        is also claimed for that attempt token (after its progress is read): from then on only
+        without an answer is also claimed for that attempt token (after its progress is read, in the
+        same script): from then on only
         that attempt may add progress or store the answer (`append_chunks`, `put_later`), which fences
         an earlier owner that was paused past its session timeout and wakes up still running it.
         """
         if not request_ids:
             return []
+        claiming = owners or [""] * len(request_ids)
 
         async def run(c):
             pipe = c.pipeline()
-            for rid, stream in zip(request_ids, streamed):
-                pipe.get(self.key(rid))
-                if stream:
-                    pipe.hgetall(self.progress_key(rid))
+            for rid, stream, owner in zip(request_ids, streamed, claiming):
+                pipe.eval(_LOOKUP_AND_CLAIM, 3, self.key(rid), self.progress_key(rid), self.owner_key(rid),
+                          owner, self.progress_ttl_s, "1" if stream else "0")
             return await pipe.execute()
 
         found = await self._call(run)
         if found is None:
             return [(None, None)] * len(request_ids)
-        out, i = [], 0
-        for rid, stream in zip(request_ids, streamed):
-            out.append((self._open_answer(rid, found[i]),
-                        Progress.from_hash(found[i + 1], self._unsealer(rid)) if stream else None))
-            i += 2 if stream else 1
-        # claim only what will run (an answered id is re-sent, and leaves no key behind)
-        claims = [(rid, owner) for rid, owner, (answer, _) in zip(request_ids, owners or (), out) if answer is None]
-        if claims:
-            async def claim(c):
-                pipe = c.pipeline()
-                for rid, owner in claims:
-                    pipe.set(self.owner_key(rid), owner, ex=self.progress_ttl_s)
-                return await pipe.execute()
-
-            await self._call(claim)
+        out, refused = [], []
+        for i, (rid, stream, (answered, value)) in enumerate(zip(request_ids, streamed, found)):
+            if answered:
+                answer = self._open_answer(rid, value)
+                out.append((answer, None))
+                if answer is None:  # a stored value that fails to open is no answer: the id runs again
+                    refused.append(i)
+            else:
+                progress = dict(zip(value[::2], value[1::2]))
+                out.append((None, Progress.from_hash(progress, self._unsealer(rid)) if stream else None))
+        if refused:
+            await self._claim_refused(refused, request_ids, streamed, claiming, out)
         return out
+
+    async def _claim_refused(self, refused: list[int], request_ids, streamed, owners, out) -> None:
+        """Ids whose stored answer was refused run again: read their progress and claim them, as the
+        lookup does for ids with no answer."""
+        async def run(c):
+            pipe = c.pipeline()
+            for i in refused:
+                pipe.hgetall(self.progress_key(request_ids[i]))
+                if owners[i]:
+                    pipe.set(self.owner_key(request_ids[i]), owners[i], ex=self.progress_ttl_s)
+            return await pipe.execute()
+
+        found = await self._call(run)
+        if found is None:
+            return
+        at = 0
+        for i in refused:
+            rid = request_ids[i]
+            out[i] = (None, Progress.from_hash(found[at], self._unsealer(rid)) if streamed[i] else None)
+            at += 2 if owners[i] else 1
 
     async def append_chunks(self, request_id: str, chunks: list[tuple[int, list[int], str]],
                             scores: dict[str, float] | None = None, owner: str | None = None) -> bool | None:

@@ -50,3 +50,28 @@ async def test_concurrent_appends_share_rounds_and_keep_their_own_results(settin
         assert [p.chunks for _, p in found] == [[([i], f"t{i}")] for i in range(10, 40)]
     finally:
         await store.stop()
+
+
+async def test_intake_reads_answers_and_progress_and_claims_in_one_round(settings):
+    store = AnswerStore(settings.redis.url, f"fence-{uuid.uuid4().hex[:6]}", 60, settings.redis.timeout_ms)
+    await store.start()
+    try:
+        await store.lookup_many(["done", "half"], [True, True], ["A#1", "A#2"])
+        assert await store.append_chunks("half", [(0, [7], "x")], owner="A#2") is True
+        assert await store.put_later("done", b'{"type":"done"}', "A#1") is True
+        rounds, call = [], store._call
+        store._call = lambda fn: rounds.append(fn) or call(fn)
+        found = await store.lookup_many(["done", "half", "new", "quiet"], [True, True, True, False],
+                                        ["B#1", "B#2", "B#3", "B#4"])
+        store._call = call
+        assert len(rounds) == 1
+        assert found[0] == (b'{"type":"done"}', None)  # answered: re-sent, nothing claimed
+        assert found[1][0] is None and found[1][1].chunks == [([7], "x")]
+        assert found[2] == (None, None) and found[3] == (None, None)
+        # the claims were made in that round: the earlier owner is fenced, the new ones write
+        assert await store.append_chunks("half", [(1, [8], "a")], owner="A#2") is False
+        assert await store.append_chunks("half", [(1, [8], "b")], owner="B#2") is True
+        assert await store.append_chunks("new", [(0, [9], "c")], owner="B#3") is True
+        assert await store.append_chunks("done", [(0, [9], "late")], owner="B#1") is False  # never claimed
+    finally:
+        await store.stop()
