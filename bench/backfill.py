@@ -178,7 +178,7 @@ async def main(args) -> None:
     diffs = [abs(sl["scores"][k]["fraud"] - v["fraud"]) for off, sl in zip(runs["offline"], runs["sluice"])
              for k, v in off["scores"].items() if sl["scores"].get(k)]
     missing = sum(len(off["scores"]) - len(sl["scores"]) for off, sl in zip(runs["offline"], runs["sluice"]))
-    if missing or max(diffs, default=1.0) > 1e-6:
+    if missing or max(diffs, default=1.0) > 1e-5:  # float32 rounding differs between batchings by ~1e-6
         raise SystemExit(f"the arms did not score the same events alike ({missing} missing, largest difference "
                          f"{max(diffs, default=float('nan')):.2e}): not the same work")
     rates = {name: [r["events"] / r["seconds"] for r in rs] for name, rs in runs.items()}
