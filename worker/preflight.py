@@ -81,13 +81,16 @@ async def check_redis(redis_settings, timeout_s: float = 5.0) -> str:
                 raise StartupError(f"the Redis user lacks a permission sluice needs ({text.split(':')[0][:120]}): "
                                    f"it must be allowed SET, GET, DEL, EXPIRE, HSET, HGETALL, EXISTS, EVAL on "
                                    f"keys `{redis_settings.key_prefix}:*` ({_REDIS_AUTH})") from None
-            if "SSL" in type(cause).__name__ or "certificate" in text.lower() or "ssl" in text.lower():
+            lowered = text.lower()
+            if tls and (isinstance(cause, ConnectionResetError) or "certificate required" in lowered
+                        or "certificate_required" in lowered):
+                # a TLS server that wants a client certificate sends a `certificate required` alert and
+                # resets the connection after the handshake: the client sees whichever it reads first
+                raise StartupError("Redis refused the TLS connection (a client certificate may be required): check "
+                                   "SLUICE_REDIS_TLS_CERT_FILE, SLUICE_REDIS_TLS_KEY_FILE, SLUICE_REDIS_TLS_CA_FILE")
+            if "SSL" in type(cause).__name__ or "certificate" in lowered or "ssl" in lowered:
                 raise StartupError(f"TLS to Redis failed ({type(cause).__name__}): check SLUICE_REDIS_TLS, "
                                    "SLUICE_REDIS_TLS_CA_FILE, SLUICE_REDIS_TLS_CERT_FILE, SLUICE_REDIS_TLS_KEY_FILE")
-            if tls and isinstance(cause, ConnectionResetError):
-                # a TLS server that wants a client certificate resets the connection after the handshake
-                raise StartupError("Redis reset the TLS connection (a client certificate may be required): check "
-                                   "SLUICE_REDIS_TLS_CERT_FILE, SLUICE_REDIS_TLS_KEY_FILE, SLUICE_REDIS_TLS_CA_FILE")
             if isinstance(cause, ResponseError):
                 raise StartupError(f"Redis answered an error at start-up: {text[:200]}") from None
         return "unreachable"
