@@ -63,27 +63,37 @@ def key(prefix: str, digest: bytes) -> str:
     return f"{prefix}:kv:{digest.hex()}"
 
 
-def _check(digest: bytes, payload: bytes) -> bytes:
-    return hashlib.blake2b(payload, key=digest[:64], digest_size=16).digest()
+def _checker(digest: bytes):
+    return hashlib.blake2b(key=digest[:64], digest_size=16)
+
+
+def _check(digest: bytes, payload) -> bytes:
+    check = _checker(digest)
+    check.update(payload)
+    return check.digest()
+
+
+def _prefix(dtype: str, shape: tuple[int, ...], layers: int, check: bytes) -> bytes:
+    """Everything a stored page holds before its payload: magic, header length, header."""
+    header = _enc.encode(PageHeader(dtype, tuple(shape), layers, check))
+    return MAGIC + _LEN.pack(len(header)) + header
 
 
 def encode(digest: bytes, dtype: str, shape: tuple[int, ...], layers: int, payload: bytes) -> bytes:
-    header = _enc.encode(PageHeader(dtype, tuple(shape), layers, _check(digest, payload)))
-    return MAGIC + _LEN.pack(len(header)) + header + payload
+    return _prefix(dtype, shape, layers, _check(digest, payload)) + payload
 
 
 def encode_parts(digest: bytes, dtype: str, shape: tuple[int, ...], layers: int, parts: list) -> memoryview:
     """`encode` of the payload `b"".join(parts)`, byte for byte, with the payload copied once (pages
     are megabytes: the connector's writer hands each layer's piece of a page as it lies in memory)."""
-    check = hashlib.blake2b(key=digest[:64], digest_size=16)
+    check = _checker(digest)
     for part in parts:
         check.update(part)
-    header = _enc.encode(PageHeader(dtype, tuple(shape), layers, check.digest()))
-    start = len(MAGIC) + _LEN.size + len(header)
+    prefix = _prefix(dtype, shape, layers, check.digest())
     sizes = [memoryview(part).nbytes for part in parts]
-    out = bytearray(start + sum(sizes))
-    out[:start] = MAGIC + _LEN.pack(len(header)) + header
-    at = start
+    out = bytearray(len(prefix) + sum(sizes))
+    out[:len(prefix)] = prefix
+    at = len(prefix)
     for part, size in zip(parts, sizes):
         out[at:at + size] = part
         at += size
