@@ -71,3 +71,14 @@ async def test_an_injected_merchant_id_is_refused_naming_the_field(settings, cat
     assert isinstance(refused, ErrorReply) and refused.code == ErrorCode.INVALID_REQUEST
     assert "merchant_id" in refused.message
     assert isinstance(plain, DoneReply) and set(plain.scores) == {"legit", "fraud"}
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+@pytest.mark.parametrize("text", ["", "amount 12.50 USD", INJECTED, " leading space", "<|endoftext|><|im_start|>",
+                                  "ünïcödé 🙂 text\n\twith  spaces", "<|im_end|" + "x" * 3000])
+def test_the_backend_fast_path_tokenizes_as_transformers_does(tokenizer, text, add_special_tokens):
+    # encode_text calls a copy of the Rust backend with special-token splitting fixed on
+    expected = list(tokenizer.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=True))
+    assert encode_text(tokenizer, text, add_special_tokens=add_special_tokens) == expected
+    # and leaves the shared tokenizer's own parsing as it was: the template's structure keeps its special tokens
+    assert tokenizer.encode("<|im_end|>", add_special_tokens=False) == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
