@@ -312,22 +312,31 @@ class Runner:
         return {label: w / total for label, w in zip(job.labels or (), weights)}
 
 
+def flush_due(seq: int, held_tokens: int, since_sent_s: float, chunk_tokens: int, chunk_s: float) -> bool:
+    """Whether the tokens held for a request go out now, as each engine output arrives: the first
+    record at once, then when `chunk_tokens` are held or `chunk_s` has passed since the last record.
+
+    Measured from the last record sent, not from the oldest held token: an engine whose steps take
+    longer than `chunk_s` sends each step's tokens as they come, instead of holding them a whole
+    step for company (tests/unit/test_stages.py)."""
+    return held_tokens > 0 and (seq == 0 or held_tokens >= chunk_tokens or since_sent_s >= chunk_s)
+
+
 class _Chunk:
-    """Coalesces deltas into token records: the first at once, then by count or age."""
+    """Coalesces deltas into token records (`flush_due`)."""
 
     def __init__(self, runner: Runner, job: Job):
         self.runner, self.job = runner, job
         self.texts: list[str] = []
         self.ids: list[int] = []
-        self.since = 0.0
+        self.sent_at = -math.inf  # a resumed segment sends its first tokens at once
 
     async def add(self, text: str, ids: list[int]) -> None:
-        if not self.ids:
-            self.since = time.monotonic()
         self.texts.append(text)
         self.ids.extend(ids)
-        if (self.job.seq == 0 or len(self.ids) >= self.runner.chunk_tokens
-                or time.monotonic() - self.since >= self.runner.chunk_s):
+        now = time.monotonic()
+        if flush_due(self.job.seq, len(self.ids), now - self.sent_at, self.runner.chunk_tokens, self.runner.chunk_s):
+            self.sent_at = now
             await self.flush()
 
     async def flush(self) -> None:

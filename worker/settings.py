@@ -178,7 +178,7 @@ class EngineSettings(_Section):
 
 class StreamSettings(_Section):
     # Token records: the first token goes out at once; later ones are coalesced into
-    # one record per `chunk_tokens` tokens or `chunk_ms`, whichever first.
+    # one record per `chunk_tokens` tokens or `chunk_ms` since the last record, whichever first.
     chunk_tokens: Positive = 8
     chunk_ms: NonNegative = 50
 

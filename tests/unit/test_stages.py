@@ -388,3 +388,37 @@ async def test_stage_times_say_where_a_request_spent_its_end_to_end_time():
     assert spent["reply"] < spent["engine"] and spent["admission"] < spent["engine"]
     # the stages tile the end-to-end time: record timestamp -> read -> engine -> out of it -> answered
     assert sum(spent.values()) == pytest.approx(sample("sluice_end_to_end_seconds_sum") - e2e_before, abs=0.01)
+
+
+@pytest.mark.parametrize("seq, held, since_sent_s, chunk_tokens, chunk_s, due", [
+    (0, 1, 0.0, 8, 0.05, True),     # the first record goes at once
+    (0, 0, 9.9, 8, 0.05, False),    # nothing held, nothing sent
+    (3, 1, 0.01, 8, 0.05, False),   # a record went out 10 ms ago: hold for company
+    (3, 7, 0.049, 8, 0.05, False),
+    (3, 8, 0.0, 8, 0.05, True),     # enough tokens
+    (3, 1, 0.05, 8, 0.05, True),    # chunk_ms since the last record
+    (3, 1, 0.35, 8, 0.05, True),    # a slow engine step: its token goes as it comes, not a step later
+    (3, 1, 0.0, 8, 0.0, True),      # chunk_ms 0: a record per output
+    (3, 1, 0.0, 1, 0.05, True),     # chunk_tokens 1: a record per token
+])
+def test_when_held_tokens_go_out(seq, held, since_sent_s, chunk_tokens, chunk_s, due):
+    from worker.runner import flush_due
+    assert flush_due(seq, held, since_sent_s, chunk_tokens, chunk_s) is due
+
+
+@pytest.mark.parametrize("token_delay_s, chunk_ms, most_tokens_per_record", [(0.03, 20, 1), (0.0, 1000, 8)])
+async def test_a_slow_engine_streams_each_token_as_it_comes_a_fast_one_coalesces(token_delay_s, chunk_ms,
+                                                                                 most_tokens_per_record):
+    # chunks of 8 tokens: engine steps of 30 ms against 20 ms send every token at once (none waits a
+    # step for company); instant steps against 1 s fill records of 8 tokens
+    mem = Memory(partitions=1, engine=FakeEngine(token_delay_s=token_delay_s), stream_chunk_tokens=8,
+                 stream_chunk_ms=chunk_ms)
+    mem.send("realtime", J({"id": "s", "prompt": "x", "max_tokens": 24}), b"s")
+    async with running(mem):
+        assert await until(lambda: "s" in mem.finals())
+    done = mem.finals()["s"][0]
+    one_stream(mem, done)
+    sizes = [len(t.token_ids) for t in mem.tokens()]
+    assert sum(sizes) == 24 and max(sizes) == most_tokens_per_record
+    if most_tokens_per_record > 1:
+        assert len(sizes) < 24 / 2
