@@ -26,6 +26,13 @@ class _Source:
         self.topic, self.partition, self.offset = topic, partition, offset
 
 
+async def _both(first, second) -> None:
+    """Run two sends at once; wait for both, then raise the first failure (none is left running)."""
+    for result in await asyncio.gather(first, second, return_exceptions=True):
+        if isinstance(result, BaseException):
+            raise result
+
+
 class Fenced(Exception):
     """Another attempt owns the request now (this worker was paused past its session timeout and
     the group gave the partition away): this attempt stops without sending anything more."""
@@ -92,11 +99,16 @@ class Replies:
             if isinstance(final, DoneReply) and not final.unchecked:
                 # not stored: a later attempt may answer this id again, so the reader is told
                 final = msgspec.structs.replace(final, unchecked=True)
-        await self.emitter.final(job.reply_to, final, self.running)
+        outcome = final.code.value if isinstance(final, ErrorReply) else final.finish_reason
+        # the reply and its audit record leave together: one produce round for both, both acknowledged
+        # before the offset can be committed
+        send = self.emitter.final(job.reply_to, final, self.running)
+        if self.audit_topic is None:
+            await send
+        else:
+            await _both(send, self._audit(cls, self._source(job), job.request.id, outcome, job=job, final=final))
         if isinstance(final, DoneReply):
             self.charge(job.tenant, final.usage.prompt_tokens + final.usage.completion_tokens)
-        outcome = final.code.value if isinstance(final, ErrorReply) else final.finish_reason
-        await self._audit(cls, self._source(job), job.request.id, outcome, job=job, final=final)
         metrics.requests_completed.labels(cls, outcome).inc()
         metrics.tenant_requests.labels(metrics.tenant_label(job.tenant), outcome).inc()
         now = time.time()
