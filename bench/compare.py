@@ -67,10 +67,13 @@ def prompts(model: str, n: int, tokens: int, seed: int = 11) -> list[str]:
     return out
 
 
-def stats(name: str, span: float, outputs: dict[str, list[int]], ttft: list[float], e2e: list[float]) -> dict:
+def stats(name: str, span: float, outputs: dict[str, list[int]], ttft: list[float], e2e: list[float],
+          chunks: int | None = None) -> dict:
+    """`chunks`: the streamed pieces the arm delivered (SSE events, token records), when it streams."""
     done, toks = len(outputs), sum(map(len, outputs.values()))
     return {"name": name, "seconds": span, "requests": done, "output_tokens": toks,
             "req_per_s": done / span, "tok_per_s": toks / span,
+            "chunks_per_request": float("nan") if chunks is None else chunks / max(1, done),
             "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
             "e2e_p50": percentile(e2e, 50), "e2e_p99": percentile(e2e, 99)}
 
@@ -137,7 +140,7 @@ class ServerArm:
         body = {"model": self.args.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0.0,
                 "stream": True, "ignore_eos": True, "return_token_ids": True}
         t0 = time.monotonic()
-        first, ids = None, []
+        first, ids, chunks = None, [], 0
         async with self.http.post(f"http://127.0.0.1:{self.port}/v1/completions", json=body) as r:
             r.raise_for_status()
             async for raw in r.content:
@@ -148,9 +151,10 @@ class ServerArm:
                 if choices and choices[0].get("token_ids"):
                     first = first or time.monotonic() - t0
                     ids += choices[0]["token_ids"]
+                    chunks += 1
         if bar:
             bar.update(1)
-        return first or time.monotonic() - t0, time.monotonic() - t0, ids
+        return first or time.monotonic() - t0, time.monotonic() - t0, ids, chunks
 
     async def run(self, rep: int, texts: list[str]) -> dict:
         t0 = time.monotonic()
@@ -158,7 +162,8 @@ class ServerArm:
             res = await asyncio.gather(*(self._one(t, self.args.max_tokens, bar) for t in texts))
         span = time.monotonic() - t0
         outputs = {f"{rep}-{i}": r[2] for i, r in enumerate(res)}
-        return {**stats("server", span, outputs, [r[0] for r in res], [r[1] for r in res]), "outputs": outputs}
+        return {**stats("server", span, outputs, [r[0] for r in res], [r[1] for r in res], sum(r[3] for r in res)),
+                "outputs": outputs}
 
     async def stop(self) -> None:
         await self.http.close()
@@ -209,6 +214,7 @@ class SluiceArm:
             errors = [r for _, r in done.values() if isinstance(r, ErrorReply)]
             if errors:
                 raise SystemExit(f"{self.name}: {len(errors)} error replies, e.g. {errors[0]}")
+            self.seqs = ids  # token records per request, by seq
             return t0, first, done, {k: [t for _, chunk in sorted(v.items()) for t in chunk] for k, v in ids.items()}
         finally:
             await reader.stop()
@@ -220,8 +226,9 @@ class SluiceArm:
             t0, first, done, ids = await self._burst(bodies, bar)
         span = max(t for t, _ in done.values()) - t0
         outputs = {k.removeprefix(f"{self.tag}-"): v for k, v in ids.items()}
-        return {**stats(self.name, span, outputs, [first[i] - t0 for i in done], [done[i][0] - t0 for i in done]),
-                "outputs": outputs}
+        chunks = sum(len(per_seq) for per_seq in self.seqs.values())
+        return {**stats(self.name, span, outputs, [first[i] - t0 for i in done], [done[i][0] - t0 for i in done],
+                        chunks), "outputs": outputs}
 
     async def stop(self) -> None:
         await self.stack.aclose()
@@ -238,9 +245,10 @@ async def idle_cores(arms, seconds: float = 5) -> dict[str, float]:
 # -- the run -----------------------------------------------------------------------------------
 
 def table(summary: dict[str, dict]) -> str:
-    cols = ("req_per_s", "tok_per_s", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "cpu_front_ms_per_request",
-            "cpu_engine_ms_per_request")
-    heads = {"cpu_front_ms_per_request": "front cpu ms/req", "cpu_engine_ms_per_request": "engine cpu ms/req"}
+    cols = ("req_per_s", "tok_per_s", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "chunks_per_request",
+            "cpu_front_ms_per_request", "cpu_engine_ms_per_request")
+    heads = {"cpu_front_ms_per_request": "front cpu ms/req", "cpu_engine_ms_per_request": "engine cpu ms/req",
+             "chunks_per_request": "chunks/req"}
     rows = [f"{'arm':10s}" + "".join(f"{heads.get(c, c):>22s}" for c in cols)]
     for name, per in summary.items():
         cells = []
