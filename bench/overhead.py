@@ -121,8 +121,9 @@ async def bare_pipe(s, cat, n: int, replies_per_request: int) -> float:
         await producer.stop()
 
 
-async def sluice_worker(s, cat, n: int, engine, profile: bool = False) -> tuple[float, float, pstats.Stats | None]:
-    """(requests/s, reply records per request, profile)"""
+async def sluice_worker(s, cat, n: int, engine, profile: bool = False
+                        ) -> tuple[float, float, pstats.Stats | None, float]:
+    """(requests/s, reply records per request, profile, CPU seconds per request of this process)"""
     group = f"ovh-{uuid.uuid4().hex[:6]}"
     fresh = s.override(group_id=group, redis_key_prefix=f"ovh-{uuid.uuid4().hex[:6]}")  # nothing answered yet
     worker = Worker(fresh, cat, engine)
@@ -138,12 +139,41 @@ async def sluice_worker(s, cat, n: int, engine, profile: bool = False) -> tuple[
         tps = sorted(tp for tp in worker.consumer.assignment() if tp.topic == cat.request_topic("standard").name)
         if prof:
             prof.enable()
+        cpu = time.process_time()
         seconds = await until_committed(s, group, tps, n, "sluice worker", lambda: int(done() - before))
+        cpu = time.process_time() - cpu
         if prof:
             prof.disable()
-        return n / seconds, (replies() - replies_before) / n, (pstats.Stats(prof) if prof else None)
+        return n / seconds, (replies() - replies_before) / n, (pstats.Stats(prof) if prof else None), cpu / n
     finally:
         await worker.stop()
+
+
+# Where a function's own time is counted: the first part whose marker is in its file (or name).
+PARTS = (("Kafka client (aiokafka)", ("/aiokafka/",)), ("Redis client (redis-py, hiredis)", ("/redis/", "hiredis")),
+         ("tokenizer", ("/transformers/", "/tokenizers/", "tokenizers.")), ("metrics (prometheus-client)",
+         ("/prometheus_client/",)), ("wire codec (msgspec)", ("msgspec",)), ("logging (structlog)", ("/structlog/",)),
+         ("sluice (worker/, schemas/)", ("/worker/", "/schemas/")), ("bench engine stand-in", ("/bench/",)),
+         ("event loop (asyncio, uvloop)", ("/asyncio/", "uvloop", "_asyncio")))
+
+
+def components(stats: pstats.Stats) -> list[tuple[str, float]]:
+    """Share of profiled own time by part, largest first. A builtin's time (isinstance, bytes.join,
+    ...) goes to the parts of the functions that called it, in proportion."""
+    def part_of(func) -> str:
+        where = f"{func[0]} {func[2]}"
+        return next((p for p, marks in PARTS if any(m in where for m in marks)), "other (stdlib)")
+
+    totals: dict[str, float] = {}
+    for func, (_, _, own, _, callers) in stats.stats.items():
+        if func[0] == "~" and callers:
+            spent = sum(c[2] for c in callers.values()) or 1.0
+            for caller, c in callers.items():
+                totals[part_of(caller)] = totals.get(part_of(caller), 0.0) + own * c[2] / spent
+        else:
+            totals[part_of(func)] = totals.get(part_of(func), 0.0) + own
+    whole = sum(totals.values()) or 1.0
+    return sorted(((p, t / whole) for p, t in totals.items()), key=lambda x: -x[1])
 
 
 async def main(args) -> None:
@@ -155,19 +185,22 @@ async def main(args) -> None:
     for stream in (False, True):
         mode = "streaming" if stream else "non-streaming"
         rates = {"bare pipe": [], "sluice": []}
+        cpu_us = []
         per_request = 1.0
         for rep, order in enumerate(harness.orders(["sluice", "bare pipe"], args.reps)):
             cat = await common.fresh_catalog(s, "ovh")
             await publish(s, cat.request_topic("standard").name, n, uuid.uuid4().hex[:6], stream, args.max_tokens)
             for arm in order:
                 if arm == "sluice":
-                    rate, per_request, _ = await sluice_worker(s, cat, n, engine)
+                    rate, per_request, _, cpu = await sluice_worker(s, cat, n, engine)
+                    cpu_us.append(cpu * 1e6)
                 else:
                     rate = await bare_pipe(s, cat, n, max(1, round(per_request)))
                 rates[arm].append(rate)
         results[mode] = {"rates": {k: harness.spread(v) for k, v in rates.items()},
                          "ratio": harness.spread([a / b for a, b in zip(rates["sluice"], rates["bare pipe"])]),
-                         "reply_records_per_request": per_request}
+                         "reply_records_per_request": per_request,
+                         "sluice_cpu_us_per_request": harness.spread(cpu_us)}
     print(f"\n{n} requests x {args.max_tokens} tokens, {args.token_ms} ms per token, real tokenizer, clock stopped at "
           f"the committed offsets, {args.reps} repetitions in rotated order, {args.loop}; {common.machine()}; "
           f"{common.today()}; rev {common.git_rev()}")
@@ -176,6 +209,9 @@ async def main(args) -> None:
         for arm, v in r["rates"].items():
             print(f"  {arm:10s} {v['median']:8.0f} req/s  [{v['min']:.0f}-{v['max']:.0f}]")
         print(f"  sluice / bare pipe {r['ratio']['median']:.2f}  [{r['ratio']['min']:.2f}-{r['ratio']['max']:.2f}]")
+        c = r["sluice_cpu_us_per_request"]
+        print(f"  sluice process CPU {c['median']:.0f} us per request [{c['min']:.0f}-{c['max']:.0f}] "
+              f"(5,000 req/s on one core would allow 200)")
     out = Path(__file__).resolve().parent / "overhead.json"
     out.write_text(msgspec.json.format(msgspec.json.encode(
         {"args": vars(args), "results": results, "machine": common.machine(), "date": common.today(),
@@ -185,7 +221,10 @@ async def main(args) -> None:
         cat = await common.fresh_catalog(s, "ovh")
         await publish(s, cat.request_topic("standard").name, n, uuid.uuid4().hex[:6], True, args.max_tokens)
         stats = (await sluice_worker(s, cat, n, engine, profile=True))[2]
-        print("\nhottest functions of a profiled streaming run (own time):")
+        print("\nwhere a profiled streaming run's CPU goes (own time by part; the profiler inflates small calls):")
+        for part, share in components(stats):
+            print(f"  {part:32s} {100 * share:5.1f}%")
+        print("\nhottest functions (own time):")
         stats.sort_stats("tottime").print_stats(15)
 
 
