@@ -37,6 +37,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
 from worker import metrics
+from worker.redis_rounds import Script, run_scripts
 from worker.redis_seeds import SeedNodes, redacted
 from worker.sealing import KeyRing, Sealer, Unsealable
 
@@ -72,31 +73,31 @@ class Progress:
 # by the run that holds the claim. KEYS[1] is the owner key; an empty owner (ARGV[1]) writes anyway
 # (the claim could not be made: Redis was away then).
 # Progress: KEYS[2] the progress hash; ARGV[2] the TTL, then field/value pairs.
-_APPEND_IF_OWNER = """
+_APPEND_IF_OWNER = Script("""
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[2], unpack(ARGV, 3))
 redis.call('EXPIRE', KEYS[2], ARGV[2])
 return 1
-"""
+""")
 # Intake: KEYS[1] the answer, KEYS[2] the progress, KEYS[3] the owner key; ARGV[1] the attempt's owner
 # token ('' claims nothing), ARGV[2] the claim's TTL, ARGV[3] '1' to read the progress. A stored answer is
 # returned as {1, answer} and nothing is claimed (the id is answered from it); otherwise {0, progress
 # as HGETALL's flat list}, claimed after the progress was read, in one round and one step.
-_LOOKUP_AND_CLAIM = """
+_LOOKUP_AND_CLAIM = Script("""
 local answer = redis.call('GET', KEYS[1])
 if answer then return {1, answer} end
 local progress = {}
 if ARGV[3] == '1' then progress = redis.call('HGETALL', KEYS[2]) end
 if ARGV[1] ~= '' then redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[2]) end
 return {0, progress}
-"""
+""")
 # Answer: KEYS[2] the answer, KEYS[3] the progress (removed with the claim); ARGV[2] the answer, ARGV[3] its TTL.
-_ANSWER_IF_OWNER = """
+_ANSWER_IF_OWNER = Script("""
 if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
 redis.call('DEL', KEYS[1], KEYS[3])
 return 1
-"""
+""")
 
 
 def _resolve(futures, ok: bool) -> None:
@@ -282,14 +283,10 @@ class AnswerStore:
             return []
         claiming = owners or [""] * len(request_ids)
 
-        async def run(c):
-            pipe = c.pipeline()
-            for rid, stream, owner in zip(request_ids, streamed, claiming):
-                pipe.eval(_LOOKUP_AND_CLAIM, 3, self.key(rid), self.progress_key(rid), self.owner_key(rid),
-                          owner, self.progress_ttl_s, "1" if stream else "0")
-            return await pipe.execute()
-
-        found = await self._call(run)
+        found = await self._call(lambda c: run_scripts(c, [
+            (_LOOKUP_AND_CLAIM, [self.key(rid), self.progress_key(rid), self.owner_key(rid)],
+             [owner, self.progress_ttl_s, "1" if stream else "0"])
+            for rid, stream, owner in zip(request_ids, streamed, claiming)]))
         if found is None:
             return [(None, None)] * len(request_ids)
         out, refused = [], []
@@ -355,19 +352,14 @@ class AnswerStore:
     async def _write(self, appends: list[tuple[str, list, object]], answers: list[tuple[str, bytes, str]]
                      ) -> list[bool | None]:
         """One pipelined round: progress appends (id, script args), then answers (id, answer, owner)."""
-        async def run(c):
-            pipe = c.pipeline()
-            for rid, args, _ in appends:
-                pipe.eval(_APPEND_IF_OWNER, 2, self.owner_key(rid), self.progress_key(rid), *args)
-            for rid, payload, owner in answers:
-                if self.sealer is not None:
-                    payload = self.sealer.seal(payload, self.key(rid))
-                pipe.eval(_ANSWER_IF_OWNER, 3, self.owner_key(rid), self.key(rid), self.progress_key(rid),
-                          owner, payload, self.ttl_s)
-            return await pipe.execute()
-
-        n = len(appends) + len(answers)
-        found = await self._call(run)
+        calls = [(_APPEND_IF_OWNER, [self.owner_key(rid), self.progress_key(rid)], args) for rid, args, _ in appends]
+        for rid, payload, owner in answers:
+            if self.sealer is not None:
+                payload = self.sealer.seal(payload, self.key(rid))
+            calls.append((_ANSWER_IF_OWNER, [self.owner_key(rid), self.key(rid), self.progress_key(rid)],
+                          [owner, payload, self.ttl_s]))
+        n = len(calls)
+        found = await self._call(lambda c: run_scripts(c, calls)) if calls else []
         return [None] * n if found is None else [bool(x) for x in found]
 
     async def ping(self) -> bool:

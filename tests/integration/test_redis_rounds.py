@@ -1,0 +1,66 @@
+"""Script rounds sent straight to each primary (worker/redis_rounds.py), on the real Redis Cluster:
+the same replies as redis-py's pipeline, and the refusals (NOSCRIPT, MOVED) taken back to it."""
+
+import uuid
+
+import pytest
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+
+from worker.redis_rounds import Script, run_scripts
+
+pytestmark = pytest.mark.integration
+
+ECHO_AND_COUNT = Script("redis.call('INCR', KEYS[1]) return {KEYS[1], ARGV[1], redis.call('GET', KEYS[1])}")
+
+
+@pytest.fixture
+async def cluster(settings):
+    client = RedisCluster.from_url(settings.redis.url)
+    await client.initialize()
+    yield client
+    await client.aclose()
+
+
+def calls(n: int, tag: str) -> list:
+    # ids spread over every primary; each call's keys share a hash tag
+    return [(ECHO_AND_COUNT, [f"rounds:{{{tag}-{i}}}:n"], [f"v{i}".encode()]) for i in range(n)]
+
+
+async def test_replies_come_back_in_call_order_from_every_primary(cluster):
+    tag = uuid.uuid4().hex[:6]
+    first = await run_scripts(cluster, calls(60, tag))
+    assert len({cluster.nodes_manager.get_node_from_slot(key_slot(f"rounds:{{{tag}-{i}}}:n".encode())).name
+                for i in range(60)}) == 3  # the round touched all three primaries
+    assert first == [[f"rounds:{{{tag}-{i}}}:n".encode(), f"v{i}".encode(), b"1"] for i in range(60)]
+    # the same as redis-py's own pipeline gives
+    pipe = cluster.pipeline()
+    for script, keys, args in calls(60, tag):
+        pipe.eval(script.body, len(keys), *keys, *args)
+    assert await pipe.execute() == [[f"rounds:{{{tag}-{i}}}:n".encode(), f"v{i}".encode(), b"2"] for i in range(60)]
+
+
+async def test_an_unloaded_script_runs_once_through_eval(cluster):
+    tag = uuid.uuid4().hex[:6]
+    for node in cluster.get_primaries():  # as after a failover to a primary that never loaded it
+        await cluster.execute_command("SCRIPT", "FLUSH", target_nodes=node)
+    assert await run_scripts(cluster, calls(10, tag)) == [
+        [f"rounds:{{{tag}-{i}}}:n".encode(), f"v{i}".encode(), b"1"] for i in range(10)]  # each ran once
+    assert (await run_scripts(cluster, calls(10, tag)))[0][2] == b"2"  # loaded now: by SHA
+
+
+async def test_a_stale_slot_map_is_redirected_and_each_command_runs_once(cluster):
+    tag = uuid.uuid4().hex[:6]
+    key = f"rounds:{{{tag}-0}}:n"
+    slot = key_slot(key.encode())
+    owner = cluster.nodes_manager.slots_cache[slot][0]
+    wrong = next(n for n in cluster.get_primaries() if n.name != owner.name)
+    cluster.nodes_manager.slots_cache[slot] = [wrong]  # as if the slot had moved since the map was read
+    assert await run_scripts(cluster, calls(1, tag)) == [[key.encode(), b"v0", b"1"]]  # MOVED, then sent once
+    assert await cluster.get(key) == b"1"
+
+
+async def test_a_script_error_is_raised(cluster):
+    failing = Script("return redis.error_reply('no such thing')")
+    with pytest.raises(Exception, match="no such thing"):
+        await run_scripts(cluster, [(failing, [f"rounds:{{{uuid.uuid4().hex}}}:x"], [])])
