@@ -180,13 +180,17 @@ class SluiceArm:
         self.stack = contextlib.AsyncExitStack()
 
     async def start(self) -> None:
+        # pages live 10 minutes, not an hour: a repetition takes about one, and the pages of every
+        # repetition (and their replicas) beside four engines filled 24 GB once (an engine was OOM-killed)
         _, env = common.bench_engine_settings(self.args, SLUICE_KV_PAGES=str(self.pages).lower(),
-                                              SLUICE_IGNORE_EOS="true", SLUICE_LOG_LEVEL="info")
+                                              SLUICE_IGNORE_EOS="true", SLUICE_LOG_LEVEL="info",
+                                              SLUICE_KV_TTL_S="600")
         env[common.RESERVED_CPUS_ENV] = str(self.args.reserved_cpus)
         procs = []
         self.cat = await self.stack.enter_async_context(
             common.worker_process(self.s, "bc", self.log_path, procs, **env))
-        self.pid = procs[0].pid
+        self.proc = procs[0]
+        self.pid = self.proc.pid
         self.topic = self.cat.request_topic("standard").name
         self.tag = uuid.uuid4().hex[:6]
         await self._burst([{"id": f"{self.tag}-w{i}", "prompt": t, "max_tokens": 8} for i, t in enumerate(WARM_UP)])
@@ -200,6 +204,9 @@ class SluiceArm:
             await produce(self.s.kafka.options(),
                           [(self.topic, b["id"].encode(), msgspec.json.encode(b), []) for b in bodies])
             while len(done) < len(bodies):
+                if self.proc.poll() is not None:  # a worker that failed closed: stop, do not wait forever
+                    raise SystemExit(f"{self.name}: the worker exited with {self.proc.returncode} after "
+                                     f"{len(done)} of {len(bodies)} answers; see {self.log_path}")
                 async for r in reader.records(timeout_ms=100):
                     if r.id not in ids or r.id in done:
                         continue
