@@ -112,12 +112,18 @@ async def wait_http(url: str, proc, timeout: float = 600, poll_s: float = 1.0) -
 
 
 def stop_process(proc, grace: float = 60) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
+    """SIGTERM the process group, SIGKILL it after `grace`; a group already gone is no error, and
+    what is left of it (an engine whose worker died) is killed too."""
     try:
+        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(grace)
+    except ProcessLookupError:
+        pass
     except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    proc.wait()
 
 
 @contextlib.asynccontextmanager
