@@ -117,9 +117,7 @@ def stop_process(proc, grace: float = 60) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(grace)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
+    except (ProcessLookupError, subprocess.TimeoutExpired):
         pass
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)

@@ -19,8 +19,8 @@ class UnsafeTemplate(ValueError):
 
 
 # Per tokenizer: a copy of its Rust backend that always splits special-token strings (None for a
-# tokenizer without one). transformers' `encode` costs about 90 us of Python around a call of a few
-# us, on every request, and switches the shared backend's flag on each call.
+# tokenizer without one). transformers' `encode` wraps a short Rust call in a long stretch of Python
+# on every request, and switches the shared backend's flag on each call.
 _plain: "weakref.WeakKeyDictionary[object, object]" = weakref.WeakKeyDictionary()
 
 
