@@ -27,16 +27,33 @@ def free_port() -> int:
 
 
 async def http_get(port: int, path: str) -> tuple[int | None, str]:
+    """One probe, as a kubelet sends it: (status, body), or (None, "") when nothing answered within 2 s.
+
+    The deadline matters: the poll goes on while the worker shuts its server down, and a connection
+    caught in that shutdown (or a TCP self-connect to the freed port) would otherwise wait forever.
+    """
+    try:
+        async with asyncio.timeout(2):
+            return await _get(port, path)
+    except TimeoutError:
+        return None, ""
+
+
+async def _get(port: int, path: str) -> tuple[int | None, str]:
     try:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
     except OSError:
         return None, ""
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
     try:
-        data = await reader.read()
-    except ConnectionError:
-        data = b""
-    writer.close()
+        if writer.get_extra_info("sockname") == writer.get_extra_info("peername"):
+            return None, ""  # connected to itself: nothing listens on the port any more
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        try:
+            data = await reader.read()
+        except ConnectionError:
+            data = b""
+    finally:
+        writer.close()
     head, _, body = data.partition(b"\r\n\r\n")
     if not head:  # the server closed without answering: it is shutting down
         return None, ""
