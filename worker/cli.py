@@ -126,7 +126,7 @@ def cmd_schemas(args) -> int:
 
 def cmd_worker(args) -> int:
     from worker.logs import configure
-    from worker.service import run_loop, run_worker
+    from worker.service import exit_after, run_loop, run_worker
 
     settings = _settings(args)
     catalog = _catalog(settings)
@@ -135,7 +135,7 @@ def cmd_worker(args) -> int:
     except ValueError as exc:
         sys.exit(f"sluice: SLUICE_CLASSES={settings.worker.classes}: {exc}")
     configure(settings.ops.log_level, settings.ops.log_format)
-    return run_loop(run_worker(settings, catalog))
+    return run_loop(run_worker(settings, catalog, on_stopping=exit_after))
 
 
 def _signer(args):

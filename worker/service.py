@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
+import threading
 
 import structlog
 
@@ -28,9 +30,28 @@ def run_loop(main):
     return uvloop.run(main)
 
 
-async def run_worker(settings: Settings, catalog: Catalog, engine=None, **clients) -> int:
+def exit_after(seconds: float, exit=os._exit) -> threading.Timer:
+    """Ends the process with status 1 unless cancelled within `seconds`.
+
+    A thread, not a task: it fires even when the event loop is blocked or a step ignores
+    cancellation, so a worker that stopped serving never stays up half-stopped.
+    """
+
+    def fire() -> None:
+        log.error("shutdown_stuck", after_s=seconds, note="exiting 1 without finishing the shutdown")
+        sys.stderr.flush()
+        exit(1)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+async def run_worker(settings: Settings, catalog: Catalog, engine=None, on_stopping=None, **clients) -> int:
     """The worker process: ops server, engine, worker; returns the exit code (0 drained, 1 failed).
 
+    `on_stopping(deadline_s)` is called when the drain begins (`sluice worker` passes `exit_after`).
     `engine` and `clients` (consumer, producer, answers) replace the real ones in tests.
     """
     stop = asyncio.Event()
@@ -76,7 +97,7 @@ async def run_worker(settings: Settings, catalog: Catalog, engine=None, **client
                 log.warning("ignore_eos", note="benchmark setting: every request runs to max_tokens (SLUICE_IGNORE_EOS)")
         worker = Worker(settings, catalog, engine, **clients)
         await worker.start()
-        rc = await worker.run_until(stop)
+        rc = await worker.run_until(stop, on_stopping)
         if rc:
             log.error("worker_exiting", rc=rc, reason=worker.supervisor.failure)
         return rc

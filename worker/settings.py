@@ -207,6 +207,10 @@ class WorkerSettings(_Section):
     # cap follows the higher classes' `slo_ms` (halved when an answer is late, grown while on time).
     admission: Literal["fixed", "slo"] = "fixed"
     drain_grace_s: Annotated[float, Meta(ge=0)] = 30.0
+    # The rest of a shutdown (final commit, client and engine stops) gets this long after the drain
+    # grace; past it `sluice worker` exits 1 without finishing, so a hung step cannot keep up a
+    # worker that has stopped serving.
+    stop_margin_s: Annotated[float, Meta(gt=0)] = 30.0
     # Requests of revoked partitions may finish this long before they are aborted (the new owner
     # continues them from their progress). Kept short: every member waits for the slowest revoke.
     revoke_grace_s: Annotated[float, Meta(ge=0)] = 2.0

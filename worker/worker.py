@@ -186,8 +186,11 @@ class Worker:
                 log.warning("stop_step_failed", step=getattr(step, "__qualname__", str(step)), error=repr(exc))
         log.info("worker_stopped", failure=self.supervisor.failure)
 
-    async def run_until(self, stop_event: asyncio.Event) -> int:
-        """Serve until `stop_event` is set (0) or the worker fails (1); drains either way."""
+    async def run_until(self, stop_event: asyncio.Event, on_stopping=None) -> int:
+        """Serve until `stop_event` is set (0) or the worker fails (1); drains either way.
+
+        `on_stopping(deadline_s)` is called as the drain begins, with how long the whole shutdown may take.
+        """
         waiter = asyncio.create_task(stop_event.wait())
         failed = asyncio.create_task(self.supervisor.failed.wait())
         try:
@@ -195,6 +198,8 @@ class Worker:
         finally:
             waiter.cancel()
             failed.cancel()
+        if on_stopping is not None:
+            on_stopping(self.settings.worker.drain_grace_s + self.settings.worker.stop_margin_s)
         await self.stop()
         return 1 if self.supervisor.failure is not None else 0
 

@@ -133,7 +133,8 @@ def test_the_cluster_settings_file_loads_and_holds_no_credentials():
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_pools_scale_on_their_own_lag_and_drain_before_they_are_killed(overlay):
     docs = render(overlay)
-    drain_s = load(K8S / "shared" / "sluice.toml", environ={}).worker.drain_grace_s
+    cluster = load(K8S / "shared" / "sluice.toml", environ={}).worker
+    drain_s, stop_s = cluster.drain_grace_s, cluster.drain_grace_s + cluster.stop_margin_s
     class_topics = {t.latency_class: t.name for t in topics.load().requests}
     deployments = {d["metadata"]["name"]: d for d in of_kind(docs, "Deployment")}
     scaled = of_kind(docs, "ScaledObject")
@@ -153,7 +154,8 @@ def test_pools_scale_on_their_own_lag_and_drain_before_they_are_killed(overlay):
         assert all(t["authenticationRef"]["name"] in {a["metadata"]["name"]
                                                       for a in of_kind(docs, "TriggerAuthentication")} for t in triggers)
         pod = dep["spec"]["template"]["spec"]
-        assert pod["terminationGracePeriodSeconds"] > drain_s + 30  # drain, then revoke and commit
+        # the worker's own bound on its shutdown ends it before the kubelet's SIGKILL
+        assert pod["terminationGracePeriodSeconds"] > stop_s
         assert so["spec"]["cooldownPeriod"] > drain_s
         probes = pod["containers"][0]
         assert (probes["readinessProbe"]["httpGet"]["path"], probes["livenessProbe"]["httpGet"]["path"]) == \

@@ -237,3 +237,60 @@ async def test_a_clean_stop_is_not_a_failure(monkeypatch, stage):
     os.kill(os.getpid(), signal.SIGTERM)
     assert await asyncio.wait_for(run.task, 10) == 0
     assert run.worker.supervisor.failure is None
+
+
+# A worker whose shutdown hangs: `sluice worker`'s own wiring (`run_loop`, `run_worker`,
+# `exit_after`) in a process of its own, over the doubles, with the answer store's stop hung.
+_HUNG_STOP = """
+import asyncio, sys
+from tests.unit.harness import CATALOG, Memory
+from worker import service
+
+mem = Memory(drain_grace_s=0.5, stop_margin_s=1.0, metrics_port=0)
+
+async def hang():
+    await asyncio.Event().wait()
+
+mem.answers.stop = hang
+mem.consumer.fail_next = RuntimeError("client bug")
+watchdog = service.exit_after if sys.argv[1] == "on" else None
+sys.exit(service.run_loop(service.run_worker(mem.settings, CATALOG, mem.engine, on_stopping=watchdog, **mem.clients())))
+"""
+
+
+def _hung_stop(watchdog: str):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-c", _HUNG_STOP, watchdog], cwd=os.path.dirname(os.path.dirname(
+        os.path.dirname(os.path.abspath(__file__)))), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_shutdown_that_hangs_still_ends_the_process_with_status_1():
+    t0 = time.monotonic()
+    proc = _hung_stop("on")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, out
+    assert "shutdown_stuck" in out and "intake-" in out, out
+    # drain grace 0.5 s + margin 1 s, after an interpreter start of a few seconds
+    assert time.monotonic() - t0 < 30
+
+
+def test_without_the_deadline_the_same_process_stays_up():
+    """The control: the hang above is real, so the deadline is what ends it."""
+    proc = _hung_stop("off")
+    try:
+        with pytest.raises(__import__("subprocess").TimeoutExpired):
+            proc.wait(timeout=12)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_exit_after_fires_once_with_status_1_unless_cancelled():
+    fired: list[int] = []
+    service.exit_after(0.05, exit=fired.append)
+    cancelled = service.exit_after(0.05, exit=fired.append)
+    cancelled.cancel()
+    time.sleep(0.3)
+    assert fired == [1]
