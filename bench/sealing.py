@@ -3,9 +3,10 @@
     python bench/sealing.py [--pages 200] [--resume-reps 2] [--prompts 4]
 
 1. Per page, in this process: a SmolLM2 bfloat16 KV page (16 tokens x 23,040 bytes) is encoded
-   as sluice stores it (header and BLAKE2b check, the reference), then also sealed and opened
-   with AES-256-GCM and with SM4-GCM. Prints MB/s and microseconds per token of KV for each,
-   and each cipher's cost per page as a ratio to the reference encode+decode.
+   and decoded as sluice stores it (header and CRC-32 check, the reference), then also sealed and
+   opened with AES-256-GCM and with SM4-GCM. A `blake2b` arm adds the keyed BLAKE2b pass on each
+   side that pages carried before CRC-32 (SLKV1). Prints MB/s and microseconds per token of KV for
+   each, and each arm's cost per page as a ratio to the reference encode+decode.
 2. On resume, end to end: `bench/resume.py` runs in its own process with pages in clear and
    with pages sealed (AES-256-GCM), alternating `--resume-reps` times; identical settings but
    the keys file. Prints the median pick-up-to-first-token with pages of each arm and their
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import json
 import os
 import statistics
@@ -47,7 +49,13 @@ def per_page(pages: int) -> dict:
         kv_pages.decode(digest, value, "bfloat16", SHAPE, 30, 2)
         return value
 
-    arms = {"clear": lambda: reference()}
+    def blake2b():  # the check SLKV1 pages carried, computed on write and again on read
+        value = reference()
+        for _ in range(2):
+            hashlib.blake2b(payload, key=digest, digest_size=16).digest()
+        return value
+
+    arms = {"clear": lambda: reference(), "blake2b": blake2b}
     for cipher, (_, size) in CIPHERS.items():
         sealer = Sealer({"k": os.urandom(size)}, "k", cipher)
         arms[cipher] = lambda sealer=sealer: sealer.open(sealer.seal(reference(), name), name)
@@ -61,7 +69,7 @@ def per_page(pages: int) -> dict:
     for arm, ts in times.items():
         med = statistics.median(ts)
         out[arm] = {"median_s": med, "mb_s": len(payload) / med / 1e6, "us_per_token": med / PAGE_TOKENS * 1e6}
-    for arm in CIPHERS:
+    for arm in (*CIPHERS, "blake2b"):
         out[arm]["ratio_to_clear"] = out[arm]["median_s"] / out["clear"]["median_s"]
     return out
 

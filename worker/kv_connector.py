@@ -10,7 +10,7 @@ step tell the model runner which pages to load and which newly completed pages
 (prompt and decode) to save.
 
 Model-runner side: loads are fetched with one pipelined GET, checked (layout,
-BLAKE2b over key and bytes) and copied into the paged cache before the forward
+CRC-32 over key and bytes) and copied into the paged cache before the forward
 pass; a page that is missing or fails a check is reported through
 `get_block_ids_with_load_errors`, and vLLM (policy `recompute`) computes it
 instead. Saves copy each completed page out of every layer after the forward

@@ -6,21 +6,29 @@ binds the previous digest and the page's token ids, so a key names one exact
 prefix of one model for one tenant, and two tenants never share a key.
 
 A value is `MAGIC | u32 header length | msgpack header | payload`; the header
-names dtype, per-layer shape and layer count, and carries a BLAKE2b digest over
-the page key and the payload. A value that is short, malformed, of another
-layout, or fails its digest (flipped bytes, a value stored under the wrong key)
-is a miss: the page is recomputed, never used.
+names dtype, per-layer shape and layer count, and carries a CRC-32 over the page
+key and the payload. A value that is short, malformed, of another layout, or
+fails its check (flipped bytes, a value stored under the wrong key) is a miss:
+the page is recomputed, never used.
+
+The check is against corruption, not forgery (Kafka guards its record batches
+the same way): its inputs are all public, so a keyed hash would stop no one who
+can write to Redis. Forgery is what sealing (`worker/sealing.py`) is for. Pages
+are megabytes, hashed on the cores the engine computes on, and CRC-32 costs a
+fraction of a cryptographic hash (`bench/sealing.py` prints both).
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+import zlib
 from array import array
 
 import msgspec
 
-MAGIC = b"SLKV1"
+MAGIC = b"SLKV2"  # SLKV1 values (BLAKE2b check) read as corrupt: recomputed
+_CHECK = struct.Struct(">I")
 _LEN = struct.Struct("<I")
 
 
@@ -63,14 +71,11 @@ def key(prefix: str, digest: bytes) -> str:
     return f"{prefix}:kv:{digest.hex()}"
 
 
-def _checker(digest: bytes):
-    return hashlib.blake2b(key=digest[:64], digest_size=16)
-
-
-def _check(digest: bytes, payload) -> bytes:
-    check = _checker(digest)
-    check.update(payload)
-    return check.digest()
+def _check(digest: bytes, parts) -> bytes:
+    crc = zlib.crc32(digest)
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return _CHECK.pack(crc)
 
 
 def _prefix(dtype: str, shape: tuple[int, ...], layers: int, check: bytes) -> bytes:
@@ -80,16 +85,13 @@ def _prefix(dtype: str, shape: tuple[int, ...], layers: int, check: bytes) -> by
 
 
 def encode(digest: bytes, dtype: str, shape: tuple[int, ...], layers: int, payload: bytes) -> bytes:
-    return _prefix(dtype, shape, layers, _check(digest, payload)) + payload
+    return _prefix(dtype, shape, layers, _check(digest, (payload,))) + payload
 
 
 def encode_parts(digest: bytes, dtype: str, shape: tuple[int, ...], layers: int, parts: list) -> memoryview:
     """`encode` of the payload `b"".join(parts)`, byte for byte, with the payload copied once (pages
     are megabytes: the connector's writer hands each layer's piece of a page as it lies in memory)."""
-    check = _checker(digest)
-    for part in parts:
-        check.update(part)
-    prefix = _prefix(dtype, shape, layers, check.digest())
+    prefix = _prefix(dtype, shape, layers, _check(digest, parts))
     sizes = [memoryview(part).nbytes for part in parts]
     out = bytearray(len(prefix) + sum(sizes))
     out[:len(prefix)] = prefix
@@ -121,6 +123,6 @@ def decode(digest: bytes, value: bytes | None, dtype: str, shape: tuple[int, ...
         expected *= d
     if len(payload) != expected:
         raise PageError("corrupt", f"payload {len(payload)} bytes, expected {expected}")
-    if _check(digest, payload) != header.digest:
+    if _check(digest, (payload,)) != header.digest:
         raise PageError("checksum")
     return payload
