@@ -19,8 +19,9 @@ KV cache it sized and the cores it computes on (`bench/harness.py: check_alike`)
 arm generated the same token ids for every request (`check_outputs`); either mismatch stops the
 run. Each repetition uses fresh prompts (so no arm meets a prefix it cached earlier) and runs
 the arms in a rotated order. Prints each arm's throughput and latency as median [min-max]
-over the repetitions and the per-repetition ratios against offline and server; writes
-bench/compare.json.
+over the repetitions and the per-repetition ratios against offline and server, and where the
+CPU went while each arm ran: its own process, its engine processes, and the Redis Cluster and
+broker that `sluice dev up` started (by their pid files); writes bench/compare.json.
 """
 
 from __future__ import annotations
@@ -253,8 +254,10 @@ async def idle_cores(arms, seconds: float = 5) -> dict[str, float]:
 
 def table(summary: dict[str, dict]) -> str:
     cols = ("req_per_s", "tok_per_s", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "chunks_per_request",
-            "cpu_front_ms_per_request", "cpu_engine_ms_per_request")
+            "cpu_front_ms_per_request", "cpu_engine_ms_per_request", "cpu_redis_ms_per_request",
+            "cpu_broker_ms_per_request")
     heads = {"cpu_front_ms_per_request": "front cpu ms/req", "cpu_engine_ms_per_request": "engine cpu ms/req",
+             "cpu_redis_ms_per_request": "redis cpu ms/req", "cpu_broker_ms_per_request": "broker cpu ms/req",
              "chunks_per_request": "chunks/req"}
     rows = [f"{'arm':10s}" + "".join(f"{heads.get(c, c):>22s}" for c in cols)]
     for name, per in summary.items():
@@ -288,10 +291,11 @@ async def main(args) -> None:
             texts = prompts(args.model, args.requests, args.prompt_tokens, seed=11 + rep)
             for name in order:
                 arm = by_name[name]
-                cpu0 = harness.cpu_seconds(arm.pid)
+                cpu0 = {**harness.cpu_seconds(arm.pid), **harness.service_cpu_seconds()}
                 result = await arm.run(rep, texts)
-                cpu1 = harness.cpu_seconds(arm.pid)
-                # where the arm's CPU went: its own process (front end) and its engine processes
+                cpu1 = {**harness.cpu_seconds(arm.pid), **harness.service_cpu_seconds()}
+                # where the CPU went while this arm ran: its own process (front end), its engine
+                # processes, and the Redis Cluster and broker on the same cores
                 result.update({f"cpu_{k}_ms_per_request": 1000 * (cpu1[k] - cpu0[k]) / len(texts) for k in cpu0})
                 runs[name].append(result)
         idle_after = await idle_cores(arms)

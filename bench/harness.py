@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import statistics
+from pathlib import Path
 
 from bench.common import binding
 
@@ -109,3 +110,25 @@ def cpu_seconds(pid: int) -> dict[str, float]:
 
     root = psutil.Process(pid)
     return {"front": used(root), "engine": sum(used(c) for c in root.children(recursive=True))}
+
+
+def service_cpu_seconds(state=None) -> dict[str, float]:
+    """CPU time used so far by the local services `sluice dev up` started ("redis": every Redis
+    Cluster node, replicas included; "broker"), found by their pid files. NaN for a service not
+    started that way: its CPU is not on this machine's books, or not known."""
+    import psutil
+
+    from worker import devstack
+
+    state = Path(state or devstack.DEFAULT_DIR)
+    out = {}
+    for name, pattern in (("redis", "redis-*.pid"), ("broker", "broker.pid")):
+        total, found = 0.0, False
+        for pidfile in state.glob(pattern):
+            try:
+                t = psutil.Process(int(pidfile.read_text().strip())).cpu_times()
+            except (ValueError, OSError, psutil.Error):
+                continue
+            total, found = total + t.user + t.system, True
+        out[name] = total if found else float("nan")
+    return out
