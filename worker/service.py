@@ -38,9 +38,12 @@ def exit_after(seconds: float, exit=os._exit) -> threading.Timer:
     """
 
     def fire() -> None:
-        log.error("shutdown_stuck", after_s=seconds, note="exiting 1 without finishing the shutdown")
-        sys.stderr.flush()
-        exit(1)
+        try:  # the exit must not depend on logging still working this late
+            log.error("shutdown_stuck", after_s=seconds, note="exiting 1 without finishing the shutdown")
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            exit(1)
 
     timer = threading.Timer(seconds, fire)
     timer.daemon = True
