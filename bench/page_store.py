@@ -1,13 +1,15 @@
 """What storing one KV page costs the Redis Cluster, split by node role (primaries vs replicas).
 
-    python bench/page_store.py [--pages 60] [--rate 3] [--page-tokens 128] [--bytes-per-token 46080]
+    python bench/page_store.py [--pages 120] [--rounds 3] [--rate 3] [--page-tokens 128] [--bytes-per-token 46080]
 
 Writes `--pages` pages of the compare workload's size (SmolLM2 float32: 128 tokens x 46,080 bytes,
 5.9 MB) through the KV connector's own Redis client and value encoding, `--rate` pages per second
-(about the compare run's request rate: one page per request), each with a 60 s TTL. Reads the CPU
-time of every node of the dev stack's Redis Cluster (`sluice dev up`, by pid file) before and
-after, and each node's role from `INFO replication`, and prints the CPU per page of the primaries,
-the replicas, and the writing thread: encoding the value (check and copy) and the SET (packing,
+(about the compare run's request rate: one page per request), each with a 60 s TTL, two ways in
+alternating blocks: `joined` (the value built whole and packed by redis-py, as sealed pages still
+are) and `pieces` (header and payload sent as they lie in memory, as pages in clear are). Reads
+the CPU time of every node of the dev stack's Redis Cluster (`sluice dev up`, by pid file) around
+each block, and each node's role from `INFO replication`, and prints per page and way the CPU of
+the primaries, the replicas, and the writing thread: encoding (check, copy) and the SET (packing,
 sending on loopback, reading the reply; the kernel's share of loopback TCP is charged here). Writes bench/page_store.json.
 """
 
@@ -58,6 +60,32 @@ def cpu(p: psutil.Process) -> float:
     return t.user + t.system
 
 
+def write(client, mode: str, payload: bytes, shape, layers: int, pages: int, rate: float, bar) -> tuple:
+    """`pages` pages one way; (pages stored, encode CPU s, SET CPU s) of this thread."""
+    stored, encode_s, send_s = 0, 0.0, 0.0
+    t0 = time.monotonic()
+    for i in range(pages):
+        digest = os.urandom(32)
+        key = kv_pages.key("bench-page-store", digest)
+        c0 = time.thread_time()  # CPU of this thread only, kernel time of its syscalls included
+        if mode == "pieces":  # what the connector does for pages in clear
+            value = kv_pages.encode_pieces(digest, "float32", shape, layers, [payload])
+            c1 = time.thread_time()
+            ok = client.set_pieces([(key, value)], 60) is not None
+        else:  # one value, packed whole: what it did before (and still does for sealed pages)
+            value = kv_pages.encode_parts(digest, "float32", shape, layers, [payload])
+            c1 = time.thread_time()
+            ok = client.pipeline_run([("set", key, value, 60)]) is not None
+        c2 = time.thread_time()
+        encode_s, send_s, stored = encode_s + c1 - c0, send_s + c2 - c1, stored + ok
+        bar.update(1)
+        wait = t0 + (i + 1) / rate - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+    time.sleep(1)  # the replicas apply what their primaries sent
+    return stored, encode_s, send_s
+
+
 def main(args) -> None:
     s = common.settings()
     procs = nodes(devstack.DEFAULT_DIR)
@@ -66,45 +94,45 @@ def main(args) -> None:
     payload = os.urandom(args.page_tokens * args.bytes_per_token)
     layers = 30
     shape = (2, args.page_tokens, args.bytes_per_token // (2 * layers * 4))
-    before = {port: cpu(p) for port, p in procs.items()}
-    t0 = time.monotonic()
-    stored, encode_s, send_s = 0, 0.0, 0.0
-    for i in tqdm(range(args.pages), desc="pages", unit="page"):
-        digest = os.urandom(32)
-        c0 = time.thread_time()  # CPU of this thread only, kernel time of its syscalls included
-        value = kv_pages.encode_parts(digest, "float32", shape, layers, [payload])
-        c1 = time.thread_time()
-        ok = client.pipeline_run([("set", kv_pages.key("bench-page-store", digest), value, 60)]) is not None
-        c2 = time.thread_time()
-        encode_s, send_s, stored = encode_s + c1 - c0, send_s + c2 - c1, stored + ok
-        wait = t0 + (i + 1) / args.rate - time.monotonic()
-        if wait > 0:
-            time.sleep(wait)
-    time.sleep(1)  # the replicas apply what their primaries sent
-    span = time.monotonic() - t0
-    used = {port: cpu(p) - before[port] for port, p in procs.items()}
-    if stored != args.pages:
-        raise SystemExit(f"only {stored} of {args.pages} pages were stored")
-    per_page = {r: 1000 * sum(v for port, v in used.items() if role[port] == r) / stored
-                for r in ("primary", "replica")}
-    per_page["writer: encode (check, copy)"] = 1000 * encode_s / stored
-    per_page["writer: SET (pack, send, reply)"] = 1000 * send_s / stored
-    mb = len(value) / 1e6
-    print(f"\n{stored} pages of {mb:.1f} MB at {args.rate}/s over {span:.0f} s; {common.machine()}; "
-          f"{common.today()}; rev {common.git_rev()}")
-    for name, ms in per_page.items():
-        print(f"  {name:32s} {ms:7.1f} ms CPU per page")
+    modes = ("joined", "pieces")
+    totals = {m: {"pages": 0, "primary": 0.0, "replica": 0.0, "encode": 0.0, "send": 0.0} for m in modes}
+    block = max(1, args.pages // (2 * args.rounds))
+    with tqdm(total=block * 2 * args.rounds, desc="pages", unit="page") as bar:
+        for r in range(args.rounds):
+            for mode in (modes if r % 2 == 0 else modes[::-1]):  # alternating blocks
+                before = {port: cpu(p) for port, p in procs.items()}
+                stored, encode_s, send_s = write(client, mode, payload, shape, layers, block, args.rate, bar)
+                if stored != block:
+                    raise SystemExit(f"{mode}: only {stored} of {block} pages were stored")
+                t = totals[mode]
+                for port, p in procs.items():
+                    t[role[port]] += cpu(p) - before[port]
+                t["pages"] += stored
+                t["encode"] += encode_s
+                t["send"] += send_s
+    per_page = {m: {k: 1000 * v / t["pages"] for k, v in t.items() if k != "pages"} for m, t in totals.items()}
+    mb = args.page_tokens * args.bytes_per_token / 1e6
+    print(f"\n{block * 2 * args.rounds} pages of {mb:.1f} MB at {args.rate}/s, {args.rounds} alternating rounds; "
+          f"{common.machine()}; {common.today()}; rev {common.git_rev()}")
+    print("CPU ms per page        " + "".join(f"{m:>10s}" for m in modes))
+    names = {"primary": "Redis primary", "replica": "Redis replica", "encode": "writer: encode",
+             "send": "writer: SET"}
+    for k, name in names.items():
+        print(f"  {name:20s} " + "".join(f"{per_page[m][k]:10.1f}" for m in modes))
+    writer = {m: per_page[m]["encode"] + per_page[m]["send"] for m in modes}
+    print(f"  {'writer, total':20s} " + "".join(f"{writer[m]:10.1f}" for m in modes)
+          + f"   pieces/joined {writer['pieces'] / writer['joined']:.2f}")
     (OUT / "page_store.json").write_text(json.dumps({
         "args": vars(args), "page_mb": mb, "cpu_ms_per_page": per_page,
-        "nodes": {str(port): {"role": role[port], "cpu_s": used[port]} for port in procs},
         "machine": common.machine(), "date": common.today(), "rev": common.git_rev()}, indent=2))
     print(f"wrote {OUT / 'page_store.json'}")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pages", type=int, default=60)
+    p.add_argument("--pages", type=int, default=120)
     p.add_argument("--rate", type=float, default=3.0, help="pages per second")
+    p.add_argument("--rounds", type=int, default=3, help="alternating blocks of each mode")
     p.add_argument("--page-tokens", type=int, default=128)
     p.add_argument("--bytes-per-token", type=int, default=46_080)
     main(p.parse_args())

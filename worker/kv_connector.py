@@ -90,6 +90,36 @@ class _Redis:
             except Exception:
                 pass
 
+    def set_pieces(self, items, ttl_s: int) -> bool | None:
+        """SET each `(key, pieces)` to the pieces joined, sent to the key's primary as they lie in
+        memory: no copy of a value is made to send it (pages are megabytes, and each copy is taken
+        from the engine's cores). A refusal (a moved slot) goes again through redis-py's pipeline,
+        which follows it. None if Redis is unavailable."""
+        from redis.exceptions import ResponseError
+
+        client = self.client()
+        if client is None:
+            return None
+        try:
+            for key, pieces in items:
+                pool = client.get_redis_connection(client.get_node_from_key(key)).connection_pool
+                conn = pool.get_connection()
+                try:
+                    conn.send_packed_command(kv_pages.set_command(key.encode(), pieces, ttl_s), check_health=False)
+                    conn.read_response()
+                except ResponseError:
+                    refused = True
+                else:
+                    refused = False
+                finally:
+                    pool.release(conn)
+                if refused and self.pipeline_run([("set", key, b"".join(pieces), ttl_s)]) is None:
+                    return None
+            return True
+        except Exception:
+            self.failed()
+            return None
+
     def pipeline_run(self, commands) -> list | None:
         """[(method, args...)] in one cluster pipeline; None if Redis is unavailable."""
         client = self.client()
@@ -396,16 +426,24 @@ class SluiceKVConnector(KVConnectorBase_V1):
                     batch.append(q.get_nowait())
                 except queue.Empty:
                     break
-            values = []
-            for digest, pending, i, layers in batch:
-                value = kv_pages.encode_parts(digest, dtype_name, mover.page_shape, layers, pending.page_parts(i))
-                values.append((digest, value if self.sealer is None else self.sealer.seal(value, self._key(digest))))
-            done = self.redis.pipeline_run([("set", self._key(d), v, self.ttl_s) for d, v in values])
+            if self.sealer is None:  # sent as the pieces lie in memory
+                items = [(self._key(digest), kv_pages.encode_pieces(digest, dtype_name, mover.page_shape, layers,
+                                                                    pending.page_parts(i)))
+                         for digest, pending, i, layers in batch]
+                done = self.redis.set_pieces(items, self.ttl_s)
+                sizes = [sum(memoryview(p).nbytes for p in pieces) for _, pieces in items]
+            else:  # the cipher needs the whole value
+                values = []
+                for digest, pending, i, layers in batch:
+                    value = kv_pages.encode_parts(digest, dtype_name, mover.page_shape, layers, pending.page_parts(i))
+                    values.append((digest, self.sealer.seal(value, self._key(digest))))
+                done = self.redis.pipeline_run([("set", self._key(d), v, self.ttl_s) for d, v in values])
+                sizes = [len(v) for _, v in values]
             if done is None:
-                self._count("save_failed", len(values))
+                self._count("save_failed", len(sizes))
             else:
-                self._count("stored_pages", len(values))
-                self._count("stored_bytes", sum(len(v) for _, v in values))
+                self._count("stored_pages", len(sizes))
+                self._count("stored_bytes", sum(sizes))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

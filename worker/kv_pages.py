@@ -88,10 +88,17 @@ def encode(digest: bytes, dtype: str, shape: tuple[int, ...], layers: int, paylo
     return _prefix(dtype, shape, layers, _check(digest, (payload,))) + payload
 
 
+def encode_pieces(digest: bytes, dtype: str, shape: tuple[int, ...], layers: int, parts: list) -> list:
+    """`encode` of the payload `b"".join(parts)` as pieces: the prefix, then `parts` themselves,
+    uncopied (pages are megabytes: the connector's writer sends each layer's piece of a page as it
+    lies in memory)."""
+    return [_prefix(dtype, shape, layers, _check(digest, parts)), *parts]
+
+
 def encode_parts(digest: bytes, dtype: str, shape: tuple[int, ...], layers: int, parts: list) -> memoryview:
-    """`encode` of the payload `b"".join(parts)`, byte for byte, with the payload copied once (pages
-    are megabytes: the connector's writer hands each layer's piece of a page as it lies in memory)."""
-    prefix = _prefix(dtype, shape, layers, _check(digest, parts))
+    """`encode` of the payload `b"".join(parts)`, byte for byte, with the payload copied once (for
+    a value that must be whole, such as one to seal)."""
+    prefix, *parts = encode_pieces(digest, dtype, shape, layers, parts)
     sizes = [memoryview(part).nbytes for part in parts]
     out = bytearray(len(prefix) + sum(sizes))
     out[:len(prefix)] = prefix
@@ -100,6 +107,15 @@ def encode_parts(digest: bytes, dtype: str, shape: tuple[int, ...], layers: int,
         out[at:at + size] = part
         at += size
     return memoryview(out)
+
+
+def set_command(key: bytes, pieces: list, ttl_s: int) -> list:
+    """`SET key value EX ttl_s` in RESP with the value left as `pieces` (sent one after another, the
+    server reads one value): nothing of the value is copied to build the command."""
+    size = sum(memoryview(piece).nbytes for piece in pieces)
+    ttl = b"%d" % ttl_s
+    head = b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(key), key, size)
+    return [head, *pieces, b"\r\n$2\r\nEX\r\n$%d\r\n%b\r\n" % (len(ttl), ttl)]
 
 
 def decode(digest: bytes, value: bytes | None, dtype: str, shape: tuple[int, ...], layers: int,

@@ -61,3 +61,24 @@ def test_keys_bind_model_tenant_and_the_whole_prefix():
     assert kv_pages.chain(SEED, ids[:47], 16) == base[:2]  # only full pages
     assert kv_pages.chain(SEED, ids, 16, pages=1) == base[:1]
     assert kv_pages.key("p", base[0]).startswith("p:kv:")
+
+
+def test_a_page_as_pieces_is_the_same_value_with_the_payload_uncopied():
+    parts = [memoryview(PAYLOAD)[:256], memoryview(PAYLOAD)[256:]]
+    pieces = kv_pages.encode_pieces(D0, "float32", SHAPE, LAYERS, parts)
+    assert b"".join(pieces) == GOOD
+    assert pieces[1:] == parts and all(a is b for a, b in zip(pieces[1:], parts))
+
+
+@pytest.mark.parametrize("key,pieces,ttl", [
+    (b"k", [b"v"], 60),
+    (b"sluice:kv:" + bytes(64), [b"a" * 7000, memoryview(b"b" * 3)], 3600),
+    (b"x", [b""], 1),
+])
+def test_a_set_in_pieces_is_the_set_redis_py_would_send(key, pieces, ttl):
+    from redis.connection import PythonRespSerializer
+
+    value = b"".join(bytes(p) for p in pieces)
+    expected = b"".join(PythonRespSerializer(6000, lambda v: v if isinstance(v, bytes) else str(v).encode())
+                        .pack("SET", key, value, "EX", ttl))
+    assert b"".join(bytes(p) for p in kv_pages.set_command(key, pieces, ttl)) == expected
