@@ -112,23 +112,40 @@ def cpu_seconds(pid: int) -> dict[str, float]:
     return {"front": used(root), "engine": sum(used(c) for c in root.children(recursive=True))}
 
 
+def dev_stack_processes(pattern: str, state=None) -> dict[str, object]:
+    """pid-file stem -> psutil process of each running service `sluice dev up` started whose pid
+    file matches `pattern` (e.g. "redis-*.pid": "redis-17001" -> its process)."""
+    import psutil
+
+    from worker import devstack
+
+    out = {}
+    for pidfile in sorted(Path(state or devstack.DEFAULT_DIR).glob(pattern)):
+        try:
+            out[pidfile.stem] = psutil.Process(int(pidfile.read_text().strip()))
+        except (ValueError, OSError, psutil.Error):
+            continue
+    return out
+
+
+def process_cpu_seconds(p) -> float:
+    t = p.cpu_times()
+    return t.user + t.system
+
+
 def service_cpu_seconds(state=None) -> dict[str, float]:
     """CPU time used so far by the local services `sluice dev up` started ("redis": every Redis
     Cluster node, replicas included; "broker"), found by their pid files. NaN for a service not
     started that way: its CPU is not on this machine's books, or not known."""
     import psutil
 
-    from worker import devstack
-
-    state = Path(state or devstack.DEFAULT_DIR)
     out = {}
     for name, pattern in (("redis", "redis-*.pid"), ("broker", "broker.pid")):
         total, found = 0.0, False
-        for pidfile in state.glob(pattern):
+        for p in dev_stack_processes(pattern, state).values():
             try:
-                t = psutil.Process(int(pidfile.read_text().strip())).cpu_times()
-            except (ValueError, OSError, psutil.Error):
+                total, found = total + process_cpu_seconds(p), True
+            except psutil.Error:
                 continue
-            total, found = total + t.user + t.system, True
         out[name] = total if found else float("nan")
     return out

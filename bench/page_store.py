@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench import common  # noqa: E402
+from bench import common, harness  # noqa: E402
 from worker import devstack, kv_pages  # noqa: E402
 from worker.kv_connector import _Redis  # noqa: E402  the connector's client, so the path is the same
 
@@ -36,9 +36,7 @@ OUT = Path(__file__).resolve().parent
 
 def nodes(state: Path) -> dict[int, psutil.Process]:
     """port -> process of each Redis node `sluice dev up` started."""
-    out = {}
-    for pidfile in sorted(state.glob("redis-*.pid")):
-        out[int(pidfile.stem.split("-")[1])] = psutil.Process(int(pidfile.read_text().strip()))
+    out = {int(stem.split("-")[1]): p for stem, p in harness.dev_stack_processes("redis-*.pid", state).items()}
     if not out:
         raise SystemExit(f"no Redis node pid files under {state}: run `sluice dev up` first")
     return out
@@ -53,11 +51,6 @@ def roles(ports) -> dict[int, str]:
         out[port] = "primary" if client.info("replication")["role"] == "master" else "replica"
         client.close()
     return out
-
-
-def cpu(p: psutil.Process) -> float:
-    t = p.cpu_times()
-    return t.user + t.system
 
 
 def write(client, mode: str, payload: bytes, shape, layers: int, pages: int, rate: float, bar) -> tuple:
@@ -100,13 +93,13 @@ def main(args) -> None:
     with tqdm(total=block * 2 * args.rounds, desc="pages", unit="page") as bar:
         for r in range(args.rounds):
             for mode in (modes if r % 2 == 0 else modes[::-1]):  # alternating blocks
-                before = {port: cpu(p) for port, p in procs.items()}
+                before = {port: harness.process_cpu_seconds(p) for port, p in procs.items()}
                 stored, encode_s, send_s = write(client, mode, payload, shape, layers, block, args.rate, bar)
                 if stored != block:
                     raise SystemExit(f"{mode}: only {stored} of {block} pages were stored")
                 t = totals[mode]
                 for port, p in procs.items():
-                    t[role[port]] += cpu(p) - before[port]
+                    t[role[port]] += harness.process_cpu_seconds(p) - before[port]
                 t["pages"] += stored
                 t["encode"] += encode_s
                 t["send"] += send_s
