@@ -16,6 +16,9 @@ pass; a page that is missing or fails a check is reported through
 instead. Saves copy each completed page out of every layer after the forward
 pass and hand it to a writer thread (pipelined SET with TTL), so Redis latency
 never stalls a step; if the writer falls behind, pages are dropped and counted.
+With `kv.save_budget_mib_s` set, the scheduler side plans saves only within that byte
+budget (`worker/save_budget.py`): a request refused a page keeps its leading pages and
+saves no more, counted as `save_over_budget`.
 Every touch of device memory goes through `worker/kv_move.py` (gather on the device,
 copy to pinned host memory on a side stream, load by an indexed copy), so the same
 code serves CPU, CUDA and NPU caches of any layout listed there.
@@ -46,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from worker import kv_pages, sealing
 from worker.kv_move import PageMover
 from worker.redis_seeds import SeedNodes
+from worker.save_budget import SaveBudget
 from worker.settings import KvSettings, RedisSettings
 
 PARAMS_KEY = "sluice"  # inside kv_transfer_params
@@ -170,6 +174,8 @@ class _ReqState:
     blocks: list[int] = field(default_factory=list)
     digests: list[bytes] = field(default_factory=list)
     saved_pages: int = 0  # leading pages known to be in Redis
+    over_budget: bool = False  # refused a page by the save budget: saves no more
+    skipped_pages: int = 0  # leading pages saved or skipped: where the next skipped count starts
     load_from: int = 0  # pages [load_from, load_to) come from Redis
     load_to: int = 0
     loaded_pages: int | None = None
@@ -198,6 +204,7 @@ class SluiceKVConnector(KVConnectorBase_V1):
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._pending_counts: dict[str, int] = {}
+        self._budget = self._save_budget(kv, role, kv_cache_config)
         # model-runner side
         self._load_errors: set[int] = set()
         self._counts: dict[str, int] = {}
@@ -211,6 +218,20 @@ class SluiceKVConnector(KVConnectorBase_V1):
         self._max_queue = int(extra.get("max_queued_pages", 4096))
 
     # -- helpers ---------------------------------------------------------------
+
+    @staticmethod
+    def _save_budget(kv: KvSettings, role: KVConnectorRole, kv_cache_config) -> SaveBudget | None:
+        """The scheduler's byte budget for saves, priced by the engine's own page size (all layers of a block)."""
+        if role != KVConnectorRole.SCHEDULER or kv.save_budget_mib_s == 0:
+            return None
+        if kv_cache_config is None:
+            raise RuntimeError("kv.save_budget_mib_s is set but vLLM gave the connector no KV cache configuration "
+                               "to price pages by")
+        page_bytes = sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in kv_cache_config.kv_cache_groups)
+        return SaveBudget.from_settings(kv.save_budget_mib_s, page_bytes)
+
+    def _count_pending(self, name: str, n: int) -> None:
+        self._pending_counts[name] = self._pending_counts.get(name, 0) + n
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:  # the writer thread counts too
@@ -246,7 +267,7 @@ class SluiceKVConnector(KVConnectorBase_V1):
             return 0, False
         found = self.redis.pipeline_run([("exists", self._key(d)) for d in st.digests[start:]])
         if found is None:
-            self._pending_counts["lookup_unavailable"] = self._pending_counts.get("lookup_unavailable", 0) + 1
+            self._count_pending("lookup_unavailable", 1)
             return 0, False
         hit = start
         for ok in found:
@@ -298,8 +319,21 @@ class SluiceKVConnector(KVConnectorBase_V1):
         tokens = st.request.all_token_ids
         full = min(computed_after_step, len(tokens)) // self.block_size
         full = min(full, len(st.blocks))
-        if full <= st.saved_pages:
+        if full <= max(st.saved_pages, st.skipped_pages):
             return
+        if st.over_budget:
+            self._count_pending("save_over_budget", full - st.skipped_pages)
+            st.skipped_pages = full
+            return
+        wanted = full - st.saved_pages
+        granted = wanted if self._budget is None else self._budget.grant(wanted)
+        if granted < wanted:
+            st.over_budget = True
+            self._count_pending("save_over_budget", wanted - granted)
+            st.skipped_pages = full
+            full = st.saved_pages + granted
+            if not granted:
+                return
         if len(st.digests) < full:
             st.digests = kv_pages.chain(st.seed, tokens, self.block_size, full)
         meta.saves.append(_Transfer(req_id, [(st.digests[i], st.blocks[i]) for i in range(st.saved_pages, full)]))
@@ -309,7 +343,7 @@ class SluiceKVConnector(KVConnectorBase_V1):
         wm = connector_output.kv_connector_worker_meta
         if isinstance(wm, SluiceKVWorkerMetadata):
             for k, v in wm.counts.items():
-                self._pending_counts[k] = self._pending_counts.get(k, 0) + v
+                self._count_pending(k, v)
             for req_id, pages in wm.loaded_pages.items():
                 st = self._reqs.get(req_id)
                 if st is not None:

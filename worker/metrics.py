@@ -113,7 +113,8 @@ kv_bytes = Counter("sluice_kv_bytes_total", "KV page bytes moved to or from Redi
 kv_load_misses = Counter("sluice_kv_load_misses_total",
                          "Stored pages not used (recomputed instead), by reason: missing, corrupt, checksum, "
                          "layout, unavailable; with encryption also forged, not_sealed, unknown_key", ["reason"], registry=REGISTRY)
-kv_save_failures = Counter("sluice_kv_save_failures_total", "Pages not saved: dropped (writer behind) or failed",
+kv_save_failures = Counter("sluice_kv_save_failures_total",
+                           "Pages not saved: over_budget (kv.save_budget_mib_s), dropped (writer behind) or failed",
                            ["reason"], registry=REGISTRY)
 kv_lookups_unavailable = Counter("sluice_kv_lookups_unavailable_total",
                                  "Page lookups skipped because Redis was unavailable", registry=REGISTRY)
@@ -208,7 +209,7 @@ def start_series(classes) -> None:
         kv_bytes.labels(op)
     for reason in PAGE_MISS_REASONS:
         kv_load_misses.labels(reason)
-    for reason in ("dropped", "failed"):
+    for reason in ("over_budget", "dropped", "failed"):
         kv_save_failures.labels(reason)
     for kind in ("answer", "progress"):
         for reason in UNSEALABLE_REASONS:

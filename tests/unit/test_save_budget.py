@@ -1,0 +1,49 @@
+"""The KV-page save budget as a table: (seconds since the last call, pages asked) -> pages granted."""
+
+import pytest
+
+from worker.save_budget import MIB, SaveBudget
+
+PAGE = 100
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("bytes_per_s, steps", [
+    # no budget: everything, always
+    (0, [(0, 5, 5), (0, 1000, 1000), (0, 0, 0)]),
+    # 3 pages a second, a second's burst: 3 at once, then what a refill pays for
+    (300, [(0, 5, 3), (0, 1, 0), (0.5, 2, 1), (0.5, 5, 2), (10, 9, 3)]),
+    # refill is pro rata and carries over fractions of a page
+    (100, [(0, 1, 1), (0.4, 1, 0), (0.4, 1, 0), (0.4, 1, 1)]),
+    # a budget below one page a second still holds one page, else no page could ever be saved
+    (10, [(0, 3, 1), (5, 1, 0), (5, 1, 1)]),
+    # asking for nothing takes nothing
+    (300, [(0, 0, 0), (0, 3, 3)]),
+])
+def test_grants_follow_the_bucket(bytes_per_s, steps):
+    clock = Clock()
+    budget = SaveBudget(bytes_per_s, PAGE, clock=clock)
+    for wait, asked, granted in steps:
+        clock.now += wait
+        assert budget.grant(asked) == granted, (wait, asked)
+
+
+def test_settings_are_mebibytes_per_second():
+    clock = Clock()
+    budget = SaveBudget.from_settings(2.5, MIB, clock=clock)
+    assert budget.grant(10) == 2
+    clock.now += 1
+    assert budget.grant(10) == 2  # the bucket holds a second's budget at most (2.5 MiB), not 3 MiB
+
+
+@pytest.mark.parametrize("bytes_per_s, page_bytes", [(-1, PAGE), (100, 0)])
+def test_nonsense_is_refused(bytes_per_s, page_bytes):
+    with pytest.raises(ValueError):
+        SaveBudget(bytes_per_s, page_bytes)

@@ -1,0 +1,48 @@
+"""How many KV pages the connector may save now: a byte budget refilled at `kv.save_budget_mib_s`.
+
+Saving a page costs the engine's cores a copy and Redis its bandwidth. Over budget, sluice drops
+saves rather than slowing the engine: a request that is refused a page saves no more pages, because
+a resume loads pages only up to the first missing one and its later pages could never be used. The
+leading pages it did save still spare a resume their prefill.
+
+Pure Python (no torch), so its cases are a table (tests/unit/test_save_budget.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+MIB = 1 << 20
+
+
+class SaveBudget:
+    """A token bucket of bytes: `bytes_per_s` refills it, it holds at most `burst_s` of refill (and
+    never less than one page, or a page larger than a second's budget could never be saved).
+    `bytes_per_s` 0 means no budget: every page is granted."""
+
+    def __init__(self, bytes_per_s: float, page_bytes: int, burst_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if bytes_per_s < 0 or page_bytes <= 0 or burst_s <= 0:
+            raise ValueError(f"save budget: bytes_per_s={bytes_per_s}, page_bytes={page_bytes}, burst_s={burst_s}")
+        self.bytes_per_s = bytes_per_s
+        self.page_bytes = page_bytes
+        self.capacity = max(bytes_per_s * burst_s, page_bytes)
+        self.clock = clock
+        self.level = self.capacity
+        self.at = clock()
+
+    @classmethod
+    def from_settings(cls, mib_per_s: float, page_bytes: int, clock: Callable[[], float] = time.monotonic):
+        return cls(mib_per_s * MIB, page_bytes, clock=clock)
+
+    def grant(self, pages: int) -> int:
+        """How many of the next `pages` pages (the leading ones) may be saved now; their bytes are taken."""
+        if self.bytes_per_s == 0 or pages <= 0:
+            return max(pages, 0)
+        now = self.clock()
+        self.level = min(self.capacity, self.level + (now - self.at) * self.bytes_per_s)
+        self.at = now
+        granted = min(pages, int(self.level // self.page_bytes))
+        self.level -= granted * self.page_bytes
+        return granted
