@@ -86,6 +86,17 @@ async def stage_totals(port: int, latency_class: str) -> dict[str, tuple[float, 
     return {stage: (c, t) for stage, (c, t) in out.items()}
 
 
+async def scrape_metric(port: int, name: str, **labels) -> float:
+    """Sum of the samples of one metric whose labels include `labels`, read from a worker's /metrics."""
+    import aiohttp
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/metrics") as r:
+        text = await r.text()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+
 def stage_means_ms(before: dict, after: dict) -> dict[str, float]:
     """Mean milliseconds per stage over the requests answered between two `stage_totals` readings."""
     return {stage: 1000 * (t - before.get(stage, (0, 0))[1]) / (c - before.get(stage, (0, 0))[0])

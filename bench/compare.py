@@ -10,6 +10,8 @@ Arms (each in its own process, started once and kept for every repetition):
   sluice     `sluice worker`, KV pages off; requests published to the standard topic,
              streamed token records read back from Kafka
   sluice+kv  the same with KV pages saved to Redis Cluster (`--no-pages-arm` drops it)
+  sluice+kv@B  with `--budget-mib-s B`: pages saved within a budget of B MiB/s
+             (`kv.save_budget_mib_s`); the pages it stored and skipped are read off its /metrics
 
 Every arm gets the same engine arguments (`worker.engine.engine_args` from one settings
 object), the same reserved CPUs (`--reserved-cpus`), `ignore_eos` (sluice: SLUICE_IGNORE_EOS)
@@ -174,9 +176,10 @@ class ServerArm:
 # -- sluice ------------------------------------------------------------------------------------
 
 class SluiceArm:
-    def __init__(self, args, s, pages: bool):
-        self.args, self.s, self.pages = args, s, pages
-        self.name = "sluice+kv" if pages else "sluice"
+    def __init__(self, args, s, pages: bool, budget_mib_s: float = 0):
+        self.args, self.s, self.pages, self.budget = args, s, pages, budget_mib_s
+        self.name = ("sluice+kv" if pages else "sluice") + (f"@{budget_mib_s:g}" if budget_mib_s else "")
+        self.metrics_port = common.free_port()
         self.log_path = OUT / f".compare-{self.name}.log"
         self.stack = contextlib.AsyncExitStack()
 
@@ -185,7 +188,8 @@ class SluiceArm:
         # repetition (and their replicas) beside four engines filled 24 GB once (an engine was OOM-killed)
         _, env = common.bench_engine_settings(self.args, SLUICE_KV_PAGES=str(self.pages).lower(),
                                               SLUICE_IGNORE_EOS="true", SLUICE_LOG_LEVEL="info",
-                                              SLUICE_KV_TTL_S="600")
+                                              SLUICE_KV_TTL_S="600", SLUICE_KV_SAVE_BUDGET_MIB_S=str(self.budget),
+                                              SLUICE_METRICS_PORT=str(self.metrics_port))
         env[common.RESERVED_CPUS_ENV] = str(self.args.reserved_cpus)
         procs = []
         self.cat = await self.stack.enter_async_context(
@@ -230,13 +234,22 @@ class SluiceArm:
     async def run(self, rep: int, texts: list[str]) -> dict:
         bodies = [{"id": f"{self.tag}-{rep}-{i}", "prompt": t, "max_tokens": self.args.max_tokens}
                   for i, t in enumerate(texts)]
+        pages0 = await self.page_counts()
         with tqdm(total=len(bodies), desc=f"{self.name:9s}rep {rep}", unit="req", mininterval=2) as bar:
             t0, first, done, ids = await self._burst(bodies, bar)
+        await asyncio.sleep(1)  # connector counts ride on later steps' reports: let the last ones land
+        pages = {k: (v - pages0[k]) / len(bodies) for k, v in (await self.page_counts()).items()}
         span = max(t for t, _ in done.values()) - t0
         outputs = {k.removeprefix(f"{self.tag}-"): v for k, v in ids.items()}
         chunks = sum(len(per_seq) for per_seq in self.seqs.values())
         return {**stats(self.name, span, outputs, [first[i] - t0 for i in done], [done[i][0] - t0 for i in done],
-                        chunks), "outputs": outputs}
+                        chunks), **pages, "outputs": outputs}
+
+    async def page_counts(self) -> dict[str, float]:
+        """KV pages this worker stored and skipped over budget so far (per request once differenced)."""
+        return {"pages_stored": await common.scrape_metric(self.metrics_port, "sluice_kv_pages_total", op="stored"),
+                "pages_over_budget": await common.scrape_metric(self.metrics_port, "sluice_kv_save_failures_total",
+                                                                reason="over_budget")}
 
     async def stop(self) -> None:
         await self.stack.aclose()
@@ -255,17 +268,17 @@ async def idle_cores(arms, seconds: float = 5) -> dict[str, float]:
 def table(summary: dict[str, dict]) -> str:
     cols = ("req_per_s", "tok_per_s", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "chunks_per_request",
             "cpu_front_ms_per_request", "cpu_engine_ms_per_request", "cpu_redis_ms_per_request",
-            "cpu_broker_ms_per_request")
-    heads = {"cpu_front_ms_per_request": "front cpu ms/req", "cpu_engine_ms_per_request": "engine cpu ms/req",
+            "cpu_broker_ms_per_request", "pages_stored", "pages_over_budget")
+    heads = {"pages_stored": "pages stored/req", "pages_over_budget": "pages skipped/req", "cpu_front_ms_per_request": "front cpu ms/req", "cpu_engine_ms_per_request": "engine cpu ms/req",
              "cpu_redis_ms_per_request": "redis cpu ms/req", "cpu_broker_ms_per_request": "broker cpu ms/req",
              "chunks_per_request": "chunks/req"}
-    rows = [f"{'arm':10s}" + "".join(f"{heads.get(c, c):>22s}" for c in cols)]
+    rows = [f"{'arm':13s}" + "".join(f"{heads.get(c, c):>22s}" for c in cols)]
     for name, per in summary.items():
         cells = []
         for c in cols:
-            v = per[c]
-            cells.append("-" if v["median"] != v["median"] else f"{v['median']:.2f} [{v['min']:.2f}-{v['max']:.2f}]")
-        rows.append(f"{name:10s}" + "".join(f"{x:>22s}" for x in cells))
+            v = per.get(c)
+            cells.append("-" if v is None or v["median"] != v["median"] else f"{v['median']:.2f} [{v['min']:.2f}-{v['max']:.2f}]")
+        rows.append(f"{name:13s}" + "".join(f"{x:>22s}" for x in cells))
     return "\n".join(rows)
 
 
@@ -275,6 +288,8 @@ async def main(args) -> None:
     arms = [OfflineArm(args), ServerArm(args), SluiceArm(args, s, pages=False)]
     if not args.no_pages_arm:
         arms.append(SluiceArm(args, s, pages=True))
+    if args.budget_mib_s:
+        arms.append(SluiceArm(args, s, pages=True, budget_mib_s=args.budget_mib_s))
     by_name = {a.name: a for a in arms}
     started = []
     try:
@@ -308,9 +323,10 @@ async def main(args) -> None:
                for n, rs in runs.items()}
     ratios = {f"{arm}/{ref}": harness.spread([a["tok_per_s"] / b["tok_per_s"] for a, b in zip(runs[arm], runs[ref])])
               for arm in runs if arm.startswith("sluice") for ref in ("offline", "server")}
-    if "sluice+kv" in runs:
-        ratios["sluice+kv/sluice"] = harness.spread([a["tok_per_s"] / b["tok_per_s"]
-                                                     for a, b in zip(runs["sluice+kv"], runs["sluice"])])
+    for arm in runs:
+        if arm.startswith("sluice+kv"):
+            ratios[f"{arm}/sluice"] = harness.spread([a["tok_per_s"] / b["tok_per_s"]
+                                                      for a, b in zip(runs[arm], runs["sluice"])])
     print(f"\n{args.requests} requests x ~{args.prompt_tokens} prompt tokens x {args.max_tokens} output tokens "
           f"(ignore_eos), greedy, {args.reps} repetitions in rotated order; {common.machine()}; {common.today()}; "
           f"rev {common.git_rev()}")
@@ -346,6 +362,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reserved-cpus", type=int, default=0,
                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for every arm (0: every arm computes on every core)")
     p.add_argument("--no-pages-arm", action="store_true", help="leave out sluice with KV pages in Redis")
+    p.add_argument("--budget-mib-s", type=float, default=0,
+                   help="add an arm saving pages within this budget (kv.save_budget_mib_s)")
     p.add_argument("--model", default=None, help="default: the bundled model")
     p.add_argument("--child-offline", action="store_true", help=argparse.SUPPRESS)
     return p

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -86,13 +85,8 @@ class Pair:
         self.ready_s.append(time.monotonic() - t0)
 
     async def metric(self, name: str, family: str) -> float:
-        """Sum of one metric family over its labels, read from a worker's /metrics."""
-        import aiohttp
-
-        _, port, _ = self.procs[name]
-        async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/metrics") as r:
-            text = await r.text()
-        return sum(float(m) for m in re.findall(rf'^{family}\{{[^}}]*\}} (\S+)', text, re.M))
+        """Sum of one metric over its labels, read from a worker's /metrics."""
+        return await common.scrape_metric(self.procs[name][1], family)
 
     def stop(self) -> None:
         for proc, _, _ in self.procs.values():

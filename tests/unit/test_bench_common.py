@@ -35,3 +35,21 @@ def test_stage_means_cover_only_the_requests_between_two_readings():
     after = {"engine": (14, 7.0), "reply": (14, 0.14), "fetch": (4, 0.02)}
     assert common.stage_means_ms(before, after) == pytest.approx({"engine": 500.0, "reply": 10.0, "fetch": 5.0})
     assert common.stage_means_ms(after, after) == {}  # nothing answered in between: no mean at all
+
+
+async def test_a_metric_is_summed_over_the_samples_whose_labels_match():
+    from prometheus_client import CollectorRegistry, Counter, start_http_server
+
+    registry = CollectorRegistry()
+    failures = Counter("sluice_kv_save_failures_total", "pages not saved", ["reason"], registry=registry)
+    failures.labels("over_budget").inc(3)
+    failures.labels("dropped").inc(2)
+    port = common.free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    try:
+        assert await common.scrape_metric(port, "sluice_kv_save_failures_total", reason="over_budget") == 3
+        assert await common.scrape_metric(port, "sluice_kv_save_failures_total") == 5  # not the _created samples
+        assert await common.scrape_metric(port, "sluice_kv_pages_total") == 0
+    finally:
+        server.shutdown()
+        thread.join()
