@@ -17,8 +17,9 @@ instead. Saves copy each completed page out of every layer after the forward
 pass and hand it to a writer thread (pipelined SET with TTL), so Redis latency
 never stalls a step; if the writer falls behind, pages are dropped and counted.
 With `kv.save_budget_mib_s` set, the scheduler side plans saves only within that byte
-budget (`worker/save_budget.py`): a request refused a page keeps its leading pages and
-saves no more, counted as `save_over_budget`.
+budget (`worker/save_budget.py`): a page the budget cannot pay for waits while its request
+runs and is saved, in order, when the budget allows; pages still waiting when the request
+finishes are not saved, counted as `save_over_budget`.
 Every touch of device memory goes through `worker/kv_move.py` (gather on the device,
 copy to pinned host memory on a side stream, load by an indexed copy), so the same
 code serves CPU, CUDA and NPU caches of any layout listed there.
@@ -174,8 +175,7 @@ class _ReqState:
     blocks: list[int] = field(default_factory=list)
     digests: list[bytes] = field(default_factory=list)
     saved_pages: int = 0  # leading pages known to be in Redis
-    over_budget: bool = False  # refused a page by the save budget: saves no more
-    skipped_pages: int = 0  # leading pages saved or skipped: where the next skipped count starts
+    full_pages: int = 0  # pages completed so far: those past saved_pages wait for the save budget
     load_from: int = 0  # pages [load_from, load_to) come from Redis
     load_to: int = 0
     loaded_pages: int | None = None
@@ -287,6 +287,7 @@ class SluiceKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = SluiceKVMetadata()
+        new_saves = []  # planned after running requests', whose waiting pages come first under a save budget
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:
@@ -296,8 +297,7 @@ class SluiceKVConnector(KVConnectorBase_V1):
                 meta.loads.append(_Transfer(new.req_id, [(st.digests[i], st.blocks[i])
                                                          for i in range(st.load_from, st.load_to)]))
                 st.loaded_pages = st.load_to - st.load_from
-            self._plan_saves(st, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id],
-                             meta)
+            new_saves.append((st, new.req_id, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
@@ -311,6 +311,8 @@ class SluiceKVConnector(KVConnectorBase_V1):
                 st.blocks.extend(new_blocks[0])
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             self._plan_saves(st, req_id, done, meta)
+        for st, req_id, done in new_saves:
+            self._plan_saves(st, req_id, done, meta)
         return meta
 
     def _plan_saves(self, st: _ReqState, req_id: str, computed_after_step: int, meta: SluiceKVMetadata) -> None:
@@ -319,20 +321,13 @@ class SluiceKVConnector(KVConnectorBase_V1):
         tokens = st.request.all_token_ids
         full = min(computed_after_step, len(tokens)) // self.block_size
         full = min(full, len(st.blocks))
-        if full <= max(st.saved_pages, st.skipped_pages):
+        st.full_pages = max(st.full_pages, full)
+        if full <= st.saved_pages:
             return
-        if st.over_budget:
-            self._count_pending("save_over_budget", full - st.skipped_pages)
-            st.skipped_pages = full
-            return
-        wanted = full - st.saved_pages
-        granted = wanted if self._budget is None else self._budget.grant(wanted)
-        if granted < wanted:
-            st.over_budget = True
-            self._count_pending("save_over_budget", wanted - granted)
-            st.skipped_pages = full
-            full = st.saved_pages + granted
-            if not granted:
+        if self._budget is not None:
+            # pages the budget cannot pay for now wait (their blocks stay put while the request runs)
+            full = st.saved_pages + self._budget.grant(full - st.saved_pages)
+            if full == st.saved_pages:
                 return
         if len(st.digests) < full:
             st.digests = kv_pages.chain(st.seed, tokens, self.block_size, full)
@@ -353,6 +348,8 @@ class SluiceKVConnector(KVConnectorBase_V1):
         st = self._reqs.pop(request.request_id, None)
         if st is None:
             return False, None
+        if st.save and st.full_pages > st.saved_pages:  # the budget never reached them: not saved
+            self._count_pending("save_over_budget", st.full_pages - st.saved_pages)
         report = {"loaded_tokens": (st.loaded_pages or 0) * self.block_size, "counts": self._pending_counts}
         self._pending_counts = {}
         return False, {PARAMS_KEY: report}

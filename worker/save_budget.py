@@ -1,9 +1,10 @@
 """How many KV pages the connector may save now: a byte budget refilled at `kv.save_budget_mib_s`.
 
 Saving a page costs the engine's cores a copy and Redis its bandwidth. Over budget, sluice drops
-saves rather than slowing the engine: a request that is refused a page saves no more pages, because
-a resume loads pages only up to the first missing one and its later pages could never be used. The
-leading pages it did save still spare a resume their prefill.
+saves rather than slowing the engine. A page the budget cannot pay for yet waits while its request
+runs (its blocks stay put) and is saved, in order, once the budget allows; the pages still waiting
+when the request finishes are dropped. Pages go in order because a resume loads them only up to the
+first missing one; the leading pages saved still spare a resume their prefill.
 
 Pure Python (no torch), so its cases are a table (tests/unit/test_save_budget.py).
 """

@@ -145,9 +145,9 @@ class KvSettings(_Section):
     # one is cheap to recompute on resume, and saving every page costs throughput (bench/compare.py's
     # sluice+kv arm). 0 saves every request's pages. Pages saved earlier are still loaded either way.
     save_min_tokens: NonNegative = 0
-    # At most this many MiB of pages per second are saved (0: no budget). Over it, saves are dropped
-    # rather than slowing the engine: a refused request keeps its leading pages and saves no more
-    # (worker/save_budget.py). sluice_kv_save_failures_total{reason="over_budget"} counts the pages.
+    # At most this many MiB of pages per second are saved (0: no budget). Over it, a request's pages
+    # wait in order while it runs; those still waiting when it finishes are dropped, never the engine
+    # slowed (worker/save_budget.py). sluice_kv_save_failures_total{reason="over_budget"} counts them.
     save_budget_mib_s: Annotated[float, Meta(ge=0)] = 0.0
 
 
