@@ -99,7 +99,14 @@ async def run_worker(settings: Settings, catalog: Catalog, engine=None, on_stopp
             if settings.engine.ignore_eos:
                 log.warning("ignore_eos", note="benchmark setting: every request runs to max_tokens (SLUICE_IGNORE_EOS)")
         worker = Worker(settings, catalog, engine, **clients)
-        await worker.start()
+        try:
+            await worker.start()
+        except Exception as exc:  # noqa: BLE001 - whichever client could not start: one clear line, exit 1
+            hint = (" (if the broker has no idempotent producers, as the embedded one has not, set "
+                    "SLUICE_KAFKA_IDEMPOTENCE=false)" if settings.kafka.idempotence else "")
+            log.error("startup_failed", error=repr(exc))
+            print(f"sluice: the worker's clients could not start: {exc!r}{hint}", file=sys.stderr)
+            return 1
         rc = await worker.run_until(stop, on_stopping)
         if rc:
             log.error("worker_exiting", rc=rc, reason=worker.supervisor.failure)

@@ -294,3 +294,17 @@ def test_exit_after_fires_once_with_status_1_unless_cancelled():
     cancelled.cancel()
     time.sleep(0.3)
     assert fired == [1]
+
+
+async def test_a_client_that_cannot_start_is_one_clear_line_and_exit_1(capsys):
+    from aiokafka.errors import UnknownError
+
+    mem = Memory(kafka_idempotence=True)
+
+    async def refused():
+        raise UnknownError("InitProducerId")
+
+    mem.producer.start = refused
+    assert await asyncio.wait_for(service.run_worker(mem.settings, CATALOG, mem.engine, **mem.clients()), 10) == 1
+    err = capsys.readouterr().err
+    assert "could not start" in err and "UnknownError" in err and "SLUICE_KAFKA_IDEMPOTENCE=false" in err
