@@ -17,12 +17,14 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
-BOOTSTRAP = "127.0.0.1:19092"
+from worker.settings import load
+
 TOPIC = "bench.group-join"
 
 
 async def main(args) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=BOOTSTRAP)
+    kafka = load().kafka.options()  # the dev stack by default; SLUICE_KAFKA_* as for a worker
+    admin = AIOKafkaAdminClient(**kafka)
     await admin.start()
     try:
         await admin.create_topics([NewTopic(TOPIC, 6, 1)])
@@ -33,7 +35,7 @@ async def main(args) -> None:
     for timeout in args.timeouts:
         times = []
         for _ in range(args.tries):
-            consumer = AIOKafkaConsumer(TOPIC, bootstrap_servers=BOOTSTRAP, group_id=f"join-{uuid.uuid4().hex[:6]}",
+            consumer = AIOKafkaConsumer(TOPIC, **kafka, group_id=f"join-{uuid.uuid4().hex[:6]}",
                                         session_timeout_ms=timeout, heartbeat_interval_ms=max(100, timeout // 3))
             t0 = time.monotonic()
             await consumer.start()  # returns once the group has assigned the partitions
