@@ -178,7 +178,9 @@ class ServerArm:
 class SluiceArm:
     def __init__(self, args, s, pages: bool, budget_mib_s: float = 0):
         self.args, self.s, self.pages, self.budget = args, s, pages, budget_mib_s
-        self.name = ("sluice+kv" if pages else "sluice") + (f"@{budget_mib_s:g}" if budget_mib_s else "")
+        self.burst = args.burst_s
+        self.name = ("sluice+kv" if pages else "sluice") + (
+            f"@{budget_mib_s:g}" + (f"+{self.burst:g}s" if self.burst != 1 else "") if budget_mib_s else "")
         self.metrics_port = common.free_port()
         self.log_path = OUT / f".compare-{self.name}.log"
         self.stack = contextlib.AsyncExitStack()
@@ -189,6 +191,7 @@ class SluiceArm:
         _, env = common.bench_engine_settings(self.args, SLUICE_KV_PAGES=str(self.pages).lower(),
                                               SLUICE_IGNORE_EOS="true", SLUICE_LOG_LEVEL="info",
                                               SLUICE_KV_TTL_S="600", SLUICE_KV_SAVE_BUDGET_MIB_S=str(self.budget),
+                                              SLUICE_KV_SAVE_BURST_S=str(self.burst),
                                               SLUICE_METRICS_PORT=str(self.metrics_port))
         env[common.RESERVED_CPUS_ENV] = str(self.args.reserved_cpus)
         procs = []
@@ -364,6 +367,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pages-arm", action="store_true", help="leave out sluice with KV pages in Redis")
     p.add_argument("--budget-mib-s", type=float, default=0,
                    help="add an arm saving pages within this budget (kv.save_budget_mib_s)")
+    p.add_argument("--burst-s", type=float, default=1.0,
+                   help="seconds of unused budget that arm's bucket keeps (kv.save_burst_s); the arm is named @B+Ns")
     p.add_argument("--model", default=None, help="default: the bundled model")
     p.add_argument("--child-offline", action="store_true", help=argparse.SUPPRESS)
     return p

@@ -5,7 +5,8 @@
 Two modes, each a pair of `sluice worker` processes in one consumer group on its own topics:
   pages      KV pages in Redis on: the survivor loads the prefix (prompt + tokens already sent)
   recompute  KV pages off: the survivor computes the prefix again
-With `--budget-mib-s B` the pages mode saves pages within B MiB/s (`kv.save_budget_mib_s`): the
+With `--budget-mib-s B` the pages mode saves pages within B MiB/s (`kv.save_budget_mib_s`, a bucket
+that keeps `--burst-s` seconds of unused budget, `kv.save_burst_s`): the
 survivor loads the leading pages that were saved and computes the rest.
 Each repetition sends one long streaming request to a pair, waits until its first tokens have
 arrived, SIGKILLs the worker that owns it (its whole process group: no drain, no commit), and
@@ -63,7 +64,8 @@ class Pair:
         self.cat = topics.load(self.topics_file)
         _, engine_env = common.bench_engine_settings(
             args, SLUICE_KV_PAGES=str(mode == "pages").lower(),
-            SLUICE_KV_SAVE_BUDGET_MIB_S=str(args.budget_mib_s if mode == "pages" else 0))
+            SLUICE_KV_SAVE_BUDGET_MIB_S=str(args.budget_mib_s if mode == "pages" else 0),
+            SLUICE_KV_SAVE_BURST_S=str(args.burst_s))
         self.env = {**os.environ, **engine_env, common.RESERVED_CPUS_ENV: str(args.reserved_cpus),
                     "SLUICE_TOPICS_FILE": str(self.topics_file), "SLUICE_KAFKA_IDEMPOTENCE": "false",
                     "SLUICE_GROUP_ID": f"fo-{mode}-{uuid.uuid4().hex[:6]}", "SLUICE_LOG_LEVEL": "info",
@@ -220,7 +222,7 @@ async def main(args) -> None:
                        **({"group_heartbeat_interval_ms": args.heartbeat_ms} if args.heartbeat_ms else {})).group
     print(f"\nSIGKILL mid-stream, ~{args.prompt_tokens}-token prompt, {args.max_tokens} tokens, session timeout "
           f"{group.session_timeout_ms} ms, heartbeat {group.heartbeat_ms()} ms, compile mode {args.compile_mode}, "
-          f"page save budget {f'{args.budget_mib_s:g} MiB/s' if args.budget_mib_s else 'none'}, "
+          f"page save budget {f'{args.budget_mib_s:g} MiB/s, {args.burst_s:g} s burst' if args.budget_mib_s else 'none'}, "
           f"{args.reps} repetitions alternating; {common.machine()}; {common.today()}; rev {common.git_rev()}")
     first = next(iter(reports.values()))
     print("every worker: " + ", ".join(f"{k}={first[k]}" for k in harness.COMPARED))
@@ -265,6 +267,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--reserved-cpus", type=int, default=0)
     p.add_argument("--model", default=None)
     p.add_argument("--budget-mib-s", type=float, default=0, help="the pages mode saves within this budget")
+    p.add_argument("--burst-s", type=float, default=1.0, help="seconds of unused budget its bucket keeps (kv.save_burst_s)")
     return p
 
 

@@ -228,7 +228,7 @@ class SluiceKVConnector(KVConnectorBase_V1):
             raise RuntimeError("kv.save_budget_mib_s is set but vLLM gave the connector no KV cache configuration "
                                "to price pages by")
         page_bytes = sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in kv_cache_config.kv_cache_groups)
-        return SaveBudget.from_settings(kv.save_budget_mib_s, page_bytes)
+        return SaveBudget.from_settings(kv.save_budget_mib_s, page_bytes, kv.save_burst_s)
 
     def _count_pending(self, name: str, n: int) -> None:
         self._pending_counts[name] = self._pending_counts.get(name, 0) + n

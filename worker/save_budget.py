@@ -34,8 +34,9 @@ class SaveBudget:
         self.at = clock()
 
     @classmethod
-    def from_settings(cls, mib_per_s: float, page_bytes: int, clock: Callable[[], float] = time.monotonic):
-        return cls(mib_per_s * MIB, page_bytes, clock=clock)
+    def from_settings(cls, mib_per_s: float, page_bytes: int, burst_s: float = 1.0,
+                      clock: Callable[[], float] = time.monotonic):
+        return cls(mib_per_s * MIB, page_bytes, burst_s, clock=clock)
 
     def grant(self, pages: int) -> int:
         """How many of the next `pages` pages (the leading ones) may be saved now; their bytes are taken."""

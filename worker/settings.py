@@ -149,6 +149,9 @@ class KvSettings(_Section):
     # wait in order while it runs; those still waiting when it finishes are dropped, never the engine
     # slowed (worker/save_budget.py). sluice_kv_save_failures_total{reason="over_budget"} counts them.
     save_budget_mib_s: Annotated[float, Meta(ge=0)] = 0.0
+    # Seconds of unused budget the bucket keeps: after a quiet spell, up to this much is spent at once,
+    # so an occasional long prompt has all its pages saved while the long-run rate stays at the budget.
+    save_burst_s: Annotated[float, Meta(gt=0)] = 1.0
 
 
 class EngineSettings(_Section):

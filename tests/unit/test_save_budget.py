@@ -43,7 +43,17 @@ def test_settings_are_mebibytes_per_second():
     assert budget.grant(10) == 2  # the bucket holds a second's budget at most (2.5 MiB), not 3 MiB
 
 
-@pytest.mark.parametrize("bytes_per_s, page_bytes", [(-1, PAGE), (100, 0)])
-def test_nonsense_is_refused(bytes_per_s, page_bytes):
+def test_a_longer_burst_keeps_unused_budget_for_an_occasional_long_prompt():
+    clock = Clock()
+    budget = SaveBudget.from_settings(1, MIB, 30, clock=clock)
+    assert budget.grant(40) == 30  # a full bucket: 30 s of budget at once
+    clock.now += 1
+    assert budget.grant(40) == 1  # then the rate
+    clock.now += 100
+    assert budget.grant(40) == 30  # a quiet spell refills it to the burst, no further
+
+
+@pytest.mark.parametrize("bytes_per_s, page_bytes, burst_s", [(-1, PAGE, 1), (100, 0, 1), (100, PAGE, 0)])
+def test_nonsense_is_refused(bytes_per_s, page_bytes, burst_s):
     with pytest.raises(ValueError):
-        SaveBudget(bytes_per_s, page_bytes)
+        SaveBudget(bytes_per_s, page_bytes, burst_s)
