@@ -57,3 +57,21 @@ def test_a_longer_burst_keeps_unused_budget_for_an_occasional_long_prompt():
 def test_nonsense_is_refused(bytes_per_s, page_bytes, burst_s):
     with pytest.raises(ValueError):
         SaveBudget(bytes_per_s, page_bytes, burst_s)
+
+
+def test_the_connector_builds_its_budget_from_the_kv_settings_and_the_engines_page_size():
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from worker.kv_connector import SluiceKVConnector
+    from worker.settings import KvSettings
+
+    page = SimpleNamespace(page_size_bytes=MIB // 4)  # per layer: a whole page of 2 layers is half a MiB
+    config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["l0", "l1"], kv_cache_spec=page)])
+    kv = KvSettings(save_budget_mib_s=2, save_burst_s=30)
+    budget = SluiceKVConnector._save_budget(kv, KVConnectorRole.SCHEDULER, config)
+    assert budget.page_bytes == MIB // 2 and budget.bytes_per_s == 2 * MIB
+    assert budget.capacity == 60 * MIB  # 30 s of 2 MiB/s kept
+    assert SluiceKVConnector._save_budget(kv, KVConnectorRole.WORKER, config) is None  # the scheduler side plans saves
+    assert SluiceKVConnector._save_budget(KvSettings(), KVConnectorRole.SCHEDULER, config) is None  # no budget set
