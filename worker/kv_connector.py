@@ -18,8 +18,9 @@ pass and hand it to a writer thread (pipelined SET with TTL), so Redis latency
 never stalls a step; if the writer falls behind, pages are dropped and counted.
 With `kv.save_budget_mib_s` set, the scheduler side plans saves only within that byte
 budget (`worker/save_budget.py`): a page the budget cannot pay for waits while its request
-runs and is saved, in order, when the budget allows; pages still waiting when the request
-finishes are not saved, counted as `save_over_budget`.
+runs and is saved, in order, when the budget allows, the requests with the most tokens still to
+generate first; pages still waiting when the request finishes are not saved, counted as
+`save_over_budget`.
 Every touch of device memory goes through `worker/kv_move.py` (gather on the device,
 copy to pinned host memory on a side stream, load by an indexed copy), so the same
 code serves CPU, CUDA and NPU caches of any layout listed there.
@@ -50,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from worker import kv_pages, sealing
 from worker.kv_move import PageMover
 from worker.redis_seeds import SeedNodes
-from worker.save_budget import SaveBudget
+from worker.save_budget import SaveBudget, save_order
 from worker.settings import KvSettings, RedisSettings
 
 PARAMS_KEY = "sluice"  # inside kv_transfer_params
@@ -181,6 +182,10 @@ class _ReqState:
     loaded_pages: int | None = None
 
 
+def _tokens_to_go(request) -> int:
+    return max(0, (getattr(request, "max_tokens", None) or 0) - getattr(request, "num_output_tokens", 0))
+
+
 def _layer_order(name: str):
     m = re.search(r"\.(\d+)\.", name)
     return (int(m.group(1)) if m else -1, name)
@@ -287,7 +292,7 @@ class SluiceKVConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         meta = SluiceKVMetadata()
-        new_saves = []  # planned after running requests', whose waiting pages come first under a save budget
+        running_saves, new_saves = [], []  # (state, request id, tokens computed after this step)
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is None:
@@ -310,8 +315,11 @@ class SluiceKVConnector(KVConnectorBase_V1):
             elif new_blocks:
                 st.blocks.extend(new_blocks[0])
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            self._plan_saves(st, req_id, done, meta)
-        for st, req_id, done in new_saves:
+            running_saves.append((st, req_id, done))
+        planned = running_saves + new_saves
+        if self._budget is not None:  # the budget pays first for the requests with the most still to generate
+            planned = save_order([(p, _tokens_to_go(p[0].request)) for p in planned])
+        for st, req_id, done in planned:
             self._plan_saves(st, req_id, done, meta)
         return meta
 

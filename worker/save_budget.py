@@ -6,13 +6,19 @@ runs (its blocks stay put) and is saved, in order, once the budget allows; the p
 when the request finishes are dropped. Pages go in order because a resume loads them only up to the
 first missing one; the leading pages saved still spare a resume their prefill.
 
+Which request's pages the budget pays for first (`save_order`): those of the requests with the most
+tokens still to generate. A saved page is insurance against the worker dying during the rest of its
+request's run; a request about to finish gains little from it, a long one a lot.
+
 Pure Python (no torch), so its cases are a table (tests/unit/test_save_budget.py).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 MIB = 1 << 20
 
@@ -48,3 +54,9 @@ class SaveBudget:
         granted = min(pages, int(self.level // self.page_bytes))
         self.level -= granted * self.page_bytes
         return granted
+
+
+def save_order(candidates: list[tuple[T, int]]) -> list[T]:
+    """(item, tokens still to generate) pairs -> the items, the longest still to run first; ties keep
+    their order (the scheduler's: running requests before new ones)."""
+    return [item for item, _ in sorted(candidates, key=lambda c: -c[1])]

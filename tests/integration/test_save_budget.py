@@ -12,7 +12,7 @@ from redis.cluster import RedisCluster
 
 from schemas import Request
 from tests.integration.test_kv_pages import PROMPT, page_keys, run, wait_stored
-from worker.engine import resolve_dtype
+from worker.engine import GenParams, resolve_dtype
 from worker.save_budget import MIB
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -76,4 +76,31 @@ async def test_pages_over_budget_wait_for_it_and_those_it_never_reaches_are_coun
     again, done = await run(eng, "b-a2", ids, "acme", max_tokens=96)
     assert again == first
     assert done.kv["loaded_tokens"] == len(keys) * BLOCK, done.kv
+    redis.close()
+
+
+async def test_the_budget_pays_first_for_the_request_with_most_still_to_generate(budget_settings, budget_engine):
+    """A short request and a long one sent together, the short one first: once both are in the engine,
+    every page the budget pays for is the long one's, though the short one still has pages waiting.
+
+    On this CPU a prefill step lasts long enough to refill the bucket, so the short request may get
+    the bucket's first grant if its prefill is scheduled alone; it never gets more."""
+    eng, redis = budget_engine, RedisCluster.from_url(budget_settings.redis.url)
+    short_ids = eng.prompt_ids(Request(id="short", prompt=PROMPT))
+    long_ids = eng.prompt_ids(Request(id="long", prompt=PROMPT + " Again: " + PROMPT))
+    short_keys = page_keys(budget_settings, eng, "initech", short_ids)
+    long_keys = page_keys(budget_settings, eng, "umbrella", long_ids)
+    assert len(short_keys) > PAGES_PER_S + 1 and len(long_keys) > len(short_keys) + PAGES_PER_S
+
+    await asyncio.sleep(1.5)  # a full bucket
+    short = asyncio.create_task(run(eng, "o-short", short_ids, "initech", max_tokens=12))
+    long = asyncio.create_task(run(eng, "o-long", long_ids, "umbrella", max_tokens=96))
+    await asyncio.gather(short, long)
+    await asyncio.sleep(1)  # the writer has had its chance at every page planned
+    short_stored = [bool(redis.exists(k)) for k in short_keys]
+    long_stored = [bool(redis.exists(k)) for k in long_keys]
+    short_saved, long_saved = sum(short_stored), sum(long_stored)
+    # the short request had pages waiting for its whole run; all but a first grant went to the long one
+    assert short_saved <= PAGES_PER_S and short_stored[:short_saved] == [True] * short_saved, short_stored
+    assert long_saved > PAGES_PER_S and long_stored[:long_saved] == [True] * long_saved, long_stored
     redis.close()

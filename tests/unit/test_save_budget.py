@@ -75,3 +75,18 @@ def test_the_connector_builds_its_budget_from_the_kv_settings_and_the_engines_pa
     assert budget.capacity == 60 * MIB  # 30 s of 2 MiB/s kept
     assert SluiceKVConnector._save_budget(kv, KVConnectorRole.WORKER, config) is None  # the scheduler side plans saves
     assert SluiceKVConnector._save_budget(KvSettings(), KVConnectorRole.SCHEDULER, config) is None  # no budget set
+
+
+@pytest.mark.parametrize("candidates, order", [
+    ([], []),
+    # the longest still to run first: its pages insure the most
+    ([("a", 3), ("b", 90), ("c", 10)], ["b", "c", "a"]),
+    # ties keep the scheduler's order (running requests are listed before new ones)
+    ([("running", 5), ("new", 5), ("other", 0)], ["running", "new", "other"]),
+    # a request with nothing left to generate comes last
+    ([("done", 0), ("long", 1)], ["long", "done"]),
+])
+def test_the_budget_pays_first_for_the_requests_with_most_still_to_generate(candidates, order):
+    from worker.save_budget import save_order
+
+    assert save_order(candidates) == order
