@@ -238,7 +238,7 @@ class SluiceArm:
         bodies = [{"id": f"{self.tag}-{rep}-{i}", "prompt": t, "max_tokens": self.args.max_tokens}
                   for i, t in enumerate(texts)]
         pages0 = await self.page_counts()
-        with tqdm(total=len(bodies), desc=f"{self.name:9s}rep {rep}", unit="req", mininterval=2) as bar:
+        with tqdm(total=len(bodies), desc=f"{self.name:8s} rep {rep}", unit="req", mininterval=2) as bar:
             t0, first, done, ids = await self._burst(bodies, bar)
         await asyncio.sleep(1)  # connector counts ride on later steps' reports: let the last ones land
         pages = {k: (v - pages0[k]) / len(bodies) for k, v in (await self.page_counts()).items()}
@@ -275,13 +275,13 @@ def table(summary: dict[str, dict]) -> str:
     heads = {"pages_stored": "pages stored/req", "pages_over_budget": "pages skipped/req", "cpu_front_ms_per_request": "front cpu ms/req", "cpu_engine_ms_per_request": "engine cpu ms/req",
              "cpu_redis_ms_per_request": "redis cpu ms/req", "cpu_broker_ms_per_request": "broker cpu ms/req",
              "chunks_per_request": "chunks/req"}
-    rows = [f"{'arm':13s}" + "".join(f"{heads.get(c, c):>22s}" for c in cols)]
+    rows = [f"{'arm':16s}" + "".join(f"{heads.get(c, c):>22s}" for c in cols)]
     for name, per in summary.items():
         cells = []
         for c in cols:
             v = per.get(c)
             cells.append("-" if v is None or v["median"] != v["median"] else f"{v['median']:.2f} [{v['min']:.2f}-{v['max']:.2f}]")
-        rows.append(f"{name:13s}" + "".join(f"{x:>22s}" for x in cells))
+        rows.append(f"{name:16s}" + "".join(f"{x:>22s}" for x in cells))
     return "\n".join(rows)
 
 
