@@ -183,7 +183,7 @@ class _ReqState:
 
 
 def _tokens_to_go(request) -> int:
-    return max(0, (getattr(request, "max_tokens", None) or 0) - getattr(request, "num_output_tokens", 0))
+    return max(0, request.max_tokens - request.num_output_tokens)
 
 
 def _layer_order(name: str):

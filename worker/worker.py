@@ -16,6 +16,7 @@ production; the in-memory doubles of worker/doubles.py in unit tests).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import structlog
@@ -146,10 +147,20 @@ class Worker:
 
     async def start(self) -> None:
         s = self.settings
-        await self.answers.start()
-        await self.emitter.start()
-        self.consumer.subscribe(list(self._topics), listener=_Rebalance(self))
-        await self.consumer.start()
+        started = []
+        try:
+            await self.answers.start()
+            started.append(self.answers.stop)
+            await self.emitter.start()
+            started.append(self.emitter.stop)
+            self.consumer.subscribe(list(self._topics), listener=_Rebalance(self))
+            await self.consumer.start()
+        except BaseException:
+            # whichever client could not start: the ones that did are closed, not left to the process exit
+            for stop in reversed(started):
+                with contextlib.suppress(Exception):
+                    await stop()
+            raise
         metrics.engine_up.set(1)
         sup = self.supervisor
         sup.watch("answer-writer", getattr(self.answers, "writer", None))

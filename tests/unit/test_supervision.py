@@ -308,3 +308,19 @@ async def test_a_client_that_cannot_start_is_one_clear_line_and_exit_1(capsys):
     assert await asyncio.wait_for(service.run_worker(mem.settings, CATALOG, mem.engine, **mem.clients()), 10) == 1
     err = capsys.readouterr().err
     assert "could not start" in err and "UnknownError" in err and "SLUICE_KAFKA_IDEMPOTENCE=false" in err
+
+
+async def test_a_client_that_cannot_start_closes_the_ones_that_did():
+    """The consumer cannot reach the broker: the producer and the answer writer already started are
+    closed again, not left running behind a failed start."""
+    mem = Memory()
+
+    async def refuse():
+        raise KafkaConnectionError("broker unreachable")
+
+    mem.consumer.start = refuse
+    worker = mem.worker()
+    with pytest.raises(KafkaConnectionError):
+        await worker.start()
+    assert mem.producer._sender.sender_task.done()
+    assert mem.answers.writer.done()
