@@ -77,15 +77,21 @@ def start(mode: str, cache: Path, n: int = 0, tokens: int = 0) -> dict:
     return result
 
 
-def worker_start(mode: str, cache: Path) -> float:
-    """Seconds from a `sluice worker` process's start to its /readyz answering 200."""
+def worker_start(mode: str, cache: Path, session_timeout_ms: int | None = None) -> float:
+    """Seconds from a `sluice worker` process's start to its /readyz answering 200.
+
+    The worker is ready once it holds its partitions; the embedded broker holds a new group's first
+    join for about half the session timeout (`bench/group_join.py`), so that setting is part of it.
+    """
     import asyncio
+
+    group = {"SLUICE_GROUP_SESSION_TIMEOUT_MS": str(session_timeout_ms)} if session_timeout_ms else {}
 
     async def run() -> float:
         s = common.settings()
         t0 = time.monotonic()
         async with common.worker_process(s, "cold", OUT / f".cold-{mode}.log", SLUICE_COMPILE_MODE=mode,
-                                         VLLM_CACHE_ROOT=str(cache)):
+                                         VLLM_CACHE_ROOT=str(cache), **group):
             return time.monotonic() - t0
 
     return asyncio.run(run())
@@ -100,7 +106,8 @@ def main(args) -> None:
             rows[mode] = {"first": start(mode, cache),
                           "restart": start(mode, cache, args.decode_requests, args.decode_tokens)}
             if args.worker:
-                rows[mode]["worker_ready_s"] = [worker_start(mode, cache), worker_start(mode, cache)]
+                rows[mode]["worker_ready_s"] = [worker_start(mode, cache, args.session_timeout_ms)
+                                                for _ in range(2)]
     print(f"\n{common.machine()}; {common.today()}; rev {common.git_rev()}")
     print(f"{'mode':12s} {'first s':>8s} {'restart s':>9s}  restart: vLLM's compile cache")
     for mode, r in rows.items():
@@ -116,12 +123,14 @@ def main(args) -> None:
     for mode, r in rows.items():
         if "worker_ready_s" in r:
             print(f"{mode:12s} sluice worker start to /readyz: " + ", ".join(f"{t:.1f} s" for t in r["worker_ready_s"])
-                  + " (both after the engine starts above, so the cache is warm for both)")
+                  + " (both after the engine starts above, so the cache is warm for both; session timeout "
+                  + (f"{args.session_timeout_ms} ms)" if args.session_timeout_ms else "the default)"))
     reference = rows.get("auto", next(iter(rows.values())))["first"]["text"]
     for mode, r in rows.items():
         same = r["first"]["text"] == reference == r["restart"]["text"]
         print(f"{mode}: greedy text {'equals' if same else 'DIFFERS from'} auto's")
-    (OUT / "cold_start.json").write_text(json.dumps({"rows": rows, "machine": common.machine(),
+    (OUT / "cold_start.json").write_text(json.dumps({"rows": rows, "session_timeout_ms": args.session_timeout_ms,
+                                                    "machine": common.machine(),
                                                     "date": common.today(), "rev": common.git_rev()}, indent=2))
     print(f"wrote {OUT / 'cold_start.json'}")
 
@@ -133,4 +142,6 @@ if __name__ == "__main__":
                    help="after each restart, time this many requests decoded at once (0: skip)")
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--worker", action="store_true", help="also time `sluice worker` start to /readyz, twice")
+    p.add_argument("--session-timeout-ms", type=int, default=None,
+                   help="the workers' SLUICE_GROUP_SESSION_TIMEOUT_MS (default: the settings' default)")
     main(p.parse_args())
