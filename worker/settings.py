@@ -174,9 +174,9 @@ class EngineSettings(_Section):
     kv_cache_dtype: Literal["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     max_num_batched_tokens: Positive | None = None  # None: vLLM's default for the device
     # How the model is compiled at start-up: `graph-cache` (the default) is torch.compile with vLLM's
-    # per-graph compile cache, which a restart loads; `auto` is vLLM's own default, its AOT cache,
-    # which vLLM 0.32's CPU build cannot load (every start compiles again); `eager` skips compilation
-    # (fastest start, slower steps). See bench/cold_start.py.
+    # per-graph compile cache, which a restart loads; `auto` is vLLM's own default, its AOT cache:
+    # the slowest first start and the fastest restart (on CPU only with worker/vllm_plugin.py's mend);
+    # `eager` skips compilation (fast start, slower steps). See bench/cold_start.py.
     compile_mode: Literal["auto", "graph-cache", "eager"] = "graph-cache"
     # Benchmarks only: every request generates its max_tokens, as vLLM's `ignore_eos`, so arms that are
     # compared do the same work. Never in production: answers would run past their end.
