@@ -20,9 +20,8 @@ def aot_cache_loads_plain_functions() -> None:
 
     vLLM finalizes every artifact it loads from its AOT compile cache. On the CPU build the
     artifact is Inductor's plain compiled function, which has no `finalize_loading`. The
-    AttributeError made every restart compile the model again (about 10 s more per restart in
-    `bench/cold_start.py`). A function of that kind gets a no-op finalize; an artifact that
-    has its own keeps it.
+    AttributeError made every restart compile the model again (bench/RESULTS.md, cold start). A
+    function of that kind gets a no-op finalize; an artifact that has its own keeps it.
     """
     import torch
 

@@ -147,16 +147,17 @@ class Worker:
 
     async def start(self) -> None:
         s = self.settings
-        started = []
+        started = []  # each client's stop, listed before its start: a stop also closes a half-done start
         try:
-            await self.answers.start()
             started.append(self.answers.stop)
-            await self.emitter.start()
+            await self.answers.start()
             started.append(self.emitter.stop)
+            await self.emitter.start()
             self.consumer.subscribe(list(self._topics), listener=_Rebalance(self))
+            started.append(self.consumer.stop)
             await self.consumer.start()
         except BaseException:
-            # whichever client could not start: the ones that did are closed, not left to the process exit
+            # whichever client could not start: all are closed, not left to the process exit
             for stop in reversed(started):
                 with contextlib.suppress(Exception):
                     await stop()
