@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import msgspec
+from aiokafka.partitioner import DefaultPartitioner
 
 from loadgen.burst import ReplyReader, produce
 from schemas import DoneReply, TokenReply
@@ -39,6 +40,47 @@ def start(env, tmp_path, name):
     proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], env={**env, "SLUICE_METRICS_PORT": str(port)},
                             stdout=log, stderr=log)
     return proc, port
+
+
+def partition_of(key: bytes, partitions: int) -> int:
+    """The partition the producer's default partitioner picks for `key` (murmur2, as Java's)."""
+    every = list(range(partitions))
+    return DefaultPartitioner()(key, every, every)
+
+
+def spread_ids(prefix: str, n: int, partitions: int) -> list[str]:
+    """`n` request ids whose keys land on as many different partitions as there are (cycling after),
+    so that every member of a group that owns any partition owns some of the requests."""
+    ids, wanted, i = [], 0, 0
+    while len(ids) < n:
+        rid = f"{prefix}-{i}"
+        if partition_of(rid.encode(), partitions) == wanted:
+            ids.append(rid)
+            wanted = (wanted + 1) % partitions
+        i += 1
+    return ids
+
+
+def last_assignment(log_path, topic: str) -> set[int] | None:
+    """`topic`'s partitions in the worker's latest partitions_assigned log line; None before any."""
+    latest = None
+    for line in log_path.read_text(errors="replace").splitlines():
+        if '"partitions_assigned"' not in line or not line.startswith("{"):
+            continue
+        named = msgspec.json.decode(line)["partitions"]
+        latest = {int(p[len(topic) + 1:-1]) for p in named if p.startswith(f"{topic}[")}
+    return latest
+
+
+async def wait_for_split(log_paths, topic: str, partitions: int, timeout=120) -> list[set[int]]:
+    """Until every worker owns some of `topic` and together they own each partition once."""
+    end = time.monotonic() + timeout
+    while True:
+        owned = [last_assignment(p, topic) for p in log_paths]
+        if all(owned) and sorted(p for o in owned for p in o) == list(range(partitions)):
+            return owned
+        assert time.monotonic() < end, f"the group never split {topic} between its workers: {owned}"
+        await asyncio.sleep(0.5)
 
 
 async def wait_ready(proc, port, log_path, timeout=900):
@@ -76,7 +118,8 @@ async def kill_mid_stream(settings, catalog, tmp_path, model_dir, prompts: dict[
     reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
     ids = list(prompts)
     run = KillRun({rid: {} for rid in ids}, {rid: [] for rid in ids})
-    topic = catalog.request_topic("standard").name
+    standard = catalog.request_topic("standard")
+    topic = standard.name
 
     async def send(requests: dict[str, dict]) -> None:
         await produce(settings.kafka.options(), [(topic, rid.encode(), msgspec.json.encode({"id": rid, **body}), [])
@@ -92,7 +135,11 @@ async def kill_mid_stream(settings, catalog, tmp_path, model_dir, prompts: dict[
     try:
         await wait_ready(victim, vport, tmp_path / "victim.log")
         await wait_ready(survivor, sport, tmp_path / "survivor.log")
-        await asyncio.sleep(8)  # let the group settle with both members
+        victim_owns, _ = await wait_for_split([tmp_path / "victim.log", tmp_path / "survivor.log"], topic,
+                                              standard.partitions)
+        on_victim = [rid for rid in ids if partition_of(rid.encode(), standard.partitions) in victim_owns]
+        assert on_victim, f"no request id lands on the victim's partitions {victim_owns}: use spread_ids"
+        await asyncio.sleep(2)  # the group has settled: no member is mid-join
         await reader.start()
         await send({rid: {"prompt": p, "max_tokens": max_tokens} for rid, p in prompts.items()})
         engine_procs: dict[int, float] = {}

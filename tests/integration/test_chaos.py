@@ -12,7 +12,7 @@ import pytest
 
 from schemas import Request
 from tests.integration.helpers import metric
-from tests.integration.kill_resume import assert_one_stream_each, kill_mid_stream
+from tests.integration.kill_resume import assert_one_stream_each, kill_mid_stream, spread_ids
 from worker.engine import GenParams
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -28,7 +28,8 @@ def prompt(k: int) -> str:
 
 async def test_sigkill_mid_stream_loses_and_changes_nothing(settings, catalog, engine, model_dir, tmp_path):
     tag = uuid.uuid4().hex[:6]
-    prompts = {f"chaos-{tag}-{k}": prompt(k) for k in range(N)}
+    ids = spread_ids(f"chaos-{tag}", N, catalog.request_topic("standard").partitions)
+    prompts = {rid: prompt(k) for k, rid in enumerate(ids)}
     run = await kill_mid_stream(settings, catalog, tmp_path, model_dir, prompts, MAX_TOKENS)
     assert not run.orphaned_engine_procs
     assert_one_stream_each(run, prompts)

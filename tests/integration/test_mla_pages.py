@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from tests.integration.helpers import delete_pages, metric
-from tests.integration.kill_resume import assert_one_stream_each, kill_mid_stream
+from tests.integration.kill_resume import assert_one_stream_each, kill_mid_stream, spread_ids
 from worker.model_mla import prepare_mla
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -31,7 +31,8 @@ async def test_mla_pages_resume_a_killed_stream_unchanged(settings, catalog, tmp
     model_dir = prepare_mla()
     config = json.loads((model_dir / "config.json").read_text())
     tag = uuid.uuid4().hex[:6]
-    prompts = {f"mla-{tag}-{k}": prompt(k) for k in range(N)}
+    ids = spread_ids(f"mla-{tag}", N, catalog.request_topic("standard").partitions)
+    prompts = {rid: prompt(k) for k, rid in enumerate(ids)}
 
     async def uninterrupted(send, collect):
         # every page of the first runs removed: the reference recomputes (MLA on CPU keeps no local prefix cache)
