@@ -139,7 +139,7 @@ async def kill_mid_stream(settings, catalog, tmp_path, model_dir, prompts: dict[
                                               standard.partitions)
         on_victim = [rid for rid in ids if partition_of(rid.encode(), standard.partitions) in victim_owns]
         assert on_victim, f"no request id lands on the victim's partitions {victim_owns}: use spread_ids"
-        await asyncio.sleep(2)  # the group has settled: no member is mid-join
+        await asyncio.sleep(2)  # margin after both logged their share, before the first record
         await reader.start()
         await send({rid: {"prompt": p, "max_tokens": max_tokens} for rid, p in prompts.items()})
         engine_procs: dict[int, float] = {}
