@@ -190,6 +190,12 @@ class VllmEngine:
         if self.device == "cpu":
             # Read by vLLM's CPU worker when the engine core starts.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kvcache_gib))
+        os.environ.update(compile_env(config))  # read by vLLM in this process and the engine core it starts
+        if self.device == "cpu" and config.engine_start == "forkserver":
+            from worker import engine_fork
+
+            engine_fork.start_forkserver()
+            engine_fork.use_forkserver_for_engine_core()
         from vllm import SamplingParams
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.sampling_params import RequestOutputKind
@@ -207,7 +213,6 @@ class VllmEngine:
                                            kv_role="kv_both", kv_load_failure_policy="recompute",
                                            kv_connector_extra_config=extra)
         self.kv_enabled = kv_transfer is not None
-        os.environ.update(compile_env(config))  # read by vLLM in this process and the engine core it spawns
         args = AsyncEngineArgs(**engine_args(config, dtype), kv_transfer_config=kv_transfer)
         self._guard = EngineGuard()
         self._guard.before()

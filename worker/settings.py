@@ -178,6 +178,10 @@ class EngineSettings(_Section):
     # the slowest first start and the fastest restart (on CPU only with worker/vllm_plugin.py's mend);
     # `eager` skips compilation (fast start, slower steps). See bench/cold_start.py.
     compile_mode: Literal["auto", "graph-cache", "eager"] = "graph-cache"
+    # How vLLM's engine-core process starts on CPU: `forkserver` forks it from a process that imported
+    # vLLM while the worker configured it (worker/engine_fork.py), about 8 s sooner on 2 cores;
+    # `spawn` is vLLM's own way, a fresh interpreter. GPU and NPU engines always start vLLM's way.
+    engine_start: Literal["forkserver", "spawn"] = "forkserver"
     # Benchmarks only: every request generates its max_tokens, as vLLM's `ignore_eos`, so arms that are
     # compared do the same work. Never in production: answers would run past their end.
     ignore_eos: bool = False
