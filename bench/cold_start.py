@@ -1,13 +1,15 @@
 """Worker cold start: engine construction to first token, first start and restart, per compile mode.
 
-    python bench/cold_start.py [--modes auto,graph-cache,eager] [--worker]
+    python bench/cold_start.py [--modes auto,graph-cache,eager] [--engine-starts forkserver,spawn] [--worker]
 
 For each `SLUICE_COMPILE_MODE`, two engine starts in fresh processes with one compile cache
 (`VLLM_CACHE_ROOT`, empty before the first): the first start compiles, the restart may load
 what the first one cached. Each start is timed from the process's start to the end of a
 one-token generation, and its log is searched for whether vLLM loaded its compile cache or
 compiled again because its cache failed to load (and why). Then one short greedy generation per mode is compared with the
-`auto` mode's, so a mode that changes outputs is caught. `--worker` also times what an operator
+`auto` mode's, so a mode that changes outputs is caught. With more than one `--engine-starts`
+(`SLUICE_ENGINE_START`: the engine core forked from a preloaded forkserver, or spawned as vLLM
+does) every compile mode is measured with each, each pair with its own empty cache. `--worker` also times what an operator
 waits for: a whole `sluice worker` process (settings, preflight, engine, warm-up, consumer group)
 from its start to `/readyz` answering 200, first start and restart, with the same cache.
 Writes bench/cold_start.json.
@@ -58,9 +60,9 @@ asyncio.run(main())
 """
 
 
-def start(mode: str, cache: Path, n: int = 0, tokens: int = 0) -> dict:
+def start(mode: str, cache: Path, n: int = 0, tokens: int = 0, engine_start: str = "forkserver") -> dict:
     # vLLM's info level in every mode: it is where vLLM says it loaded its AOT compile cache
-    env = {**os.environ, "SLUICE_COMPILE_MODE": mode, "VLLM_CACHE_ROOT": str(cache),
+    env = {**os.environ, "SLUICE_COMPILE_MODE": mode, "SLUICE_ENGINE_START": engine_start, "VLLM_CACHE_ROOT": str(cache),
            "PYTHONPATH": str(OUT.parent), "VLLM_LOGGING_LEVEL": "INFO"}
     t0 = time.time()
     proc = subprocess.run([sys.executable, "-c", CHILD, str(t0), str(n), str(tokens)], env=env,
@@ -77,7 +79,7 @@ def start(mode: str, cache: Path, n: int = 0, tokens: int = 0) -> dict:
     return result
 
 
-def worker_start(mode: str, cache: Path, session_timeout_ms: int | None = None) -> float:
+def worker_start(mode: str, cache: Path, session_timeout_ms: int | None = None, engine_start: str = "forkserver") -> float:
     """Seconds from a `sluice worker` process's start to its /readyz answering 200.
 
     The worker is ready once it holds its partitions; the embedded broker holds a new group's first
@@ -90,7 +92,8 @@ def worker_start(mode: str, cache: Path, session_timeout_ms: int | None = None) 
     async def run() -> float:
         s = common.settings()
         t0 = time.monotonic()
-        async with common.worker_process(s, "cold", OUT / f".cold-{mode}.log", SLUICE_COMPILE_MODE=mode,
+        async with common.worker_process(s, "cold", OUT / f".cold-{mode}-{engine_start}.log", SLUICE_COMPILE_MODE=mode,
+                                         SLUICE_ENGINE_START=engine_start,
                                          VLLM_CACHE_ROOT=str(cache), **group):
             return time.monotonic() - t0
 
@@ -98,22 +101,24 @@ def worker_start(mode: str, cache: Path, session_timeout_ms: int | None = None) 
 
 
 def main(args) -> None:
-    modes = args.modes.split(",")
+    starts = args.engine_starts.split(",")
+    pairs = [(mode, how) for mode in args.modes.split(",") for how in starts]
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in tqdm(modes, desc="modes", unit="mode"):
-            cache = Path(tmp) / mode
-            rows[mode] = {"first": start(mode, cache),
-                          "restart": start(mode, cache, args.decode_requests, args.decode_tokens)}
+        for mode, how in tqdm(pairs, desc="modes", unit="mode"):
+            name = mode if len(starts) == 1 else f"{mode}/{how}"
+            cache = Path(tmp) / name.replace("/", "-")
+            rows[name] = {"compile_mode": mode, "engine_start": how, "first": start(mode, cache, engine_start=how),
+                          "restart": start(mode, cache, args.decode_requests, args.decode_tokens, how)}
             if args.worker:
-                rows[mode]["worker_ready_s"] = [worker_start(mode, cache, args.session_timeout_ms)
+                rows[name]["worker_ready_s"] = [worker_start(mode, cache, args.session_timeout_ms, how)
                                                 for _ in range(2)]
     print(f"\n{common.machine()}; {common.today()}; rev {common.git_rev()}")
     print(f"{'mode':12s} {'first s':>8s} {'restart s':>9s}  restart: vLLM's compile cache")
     for mode, r in rows.items():
         first, again = r["first"], r["restart"]
         why = (f"failed to load, compiled again: {again['recompiled_because']}" if again["recompiled_because"]
-               else "nothing to load (no compilation)" if mode == "eager"
+               else "nothing to load (no compilation)" if r["compile_mode"] == "eager"
                else "AOT compile cache loaded" if again.get("aot_loaded") else "no load failure reported")
         print(f"{mode:12s} {first['ready_s']:8.1f} {again['ready_s']:9.1f}  {why}")
     for mode, r in rows.items():
@@ -125,10 +130,18 @@ def main(args) -> None:
             print(f"{mode:12s} sluice worker start to /readyz: " + ", ".join(f"{t:.1f} s" for t in r["worker_ready_s"])
                   + " (both after the engine starts above, so the cache is warm for both; session timeout "
                   + (f"{args.session_timeout_ms} ms)" if args.session_timeout_ms else "the default)"))
-    reference = rows.get("auto", next(iter(rows.values())))["first"]["text"]
+    reference = next((r for r in rows.values() if r["compile_mode"] == "auto"), next(iter(rows.values())))["first"]["text"]
     for mode, r in rows.items():
         same = r["first"]["text"] == reference == r["restart"]["text"]
         print(f"{mode}: greedy text {'equals' if same else 'DIFFERS from'} auto's")
+    by_start = {how: [r for r in rows.values() if r["engine_start"] == how] for how in starts}
+    if args.worker and {"forkserver", "spawn"} <= set(starts):
+        for mode in args.modes.split(","):
+            fork, spawn = (next(r for r in by_start[h] if r["compile_mode"] == mode) for h in ("forkserver", "spawn"))
+            f, s_ = sorted(fork["worker_ready_s"]), sorted(spawn["worker_ready_s"])
+            print(f"{mode}: worker ready, forkserver / spawn: {sum(f) / len(f):.1f} s / {sum(s_) / len(s_):.1f} s "
+                  f"= {sum(f) / sum(s_):.2f}; engine restart {fork['restart']['ready_s']:.1f} s / "
+                  f"{spawn['restart']['ready_s']:.1f} s")
     (OUT / "cold_start.json").write_text(json.dumps({"rows": rows, "session_timeout_ms": args.session_timeout_ms,
                                                     "machine": common.machine(),
                                                     "date": common.today(), "rev": common.git_rev()}, indent=2))
@@ -138,6 +151,8 @@ def main(args) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="auto,graph-cache,eager")
+    p.add_argument("--engine-starts", default="forkserver",
+                   help="SLUICE_ENGINE_START values to measure each mode with (forkserver,spawn: both)")
     p.add_argument("--decode-requests", type=int, default=32,
                    help="after each restart, time this many requests decoded at once (0: skip)")
     p.add_argument("--decode-tokens", type=int, default=64)
