@@ -1,6 +1,7 @@
 """Worker cold start: engine construction to first token, first start and restart, per compile mode.
 
     python bench/cold_start.py [--modes auto,graph-cache,eager] [--engine-starts forkserver,spawn] [--worker]
+    python bench/cold_start.py --modes graph-cache --engine-starts forkserver,spawn --alternate 3
 
 For each `SLUICE_COMPILE_MODE`, two engine starts in fresh processes with one compile cache
 (`VLLM_CACHE_ROOT`, empty before the first): the first start compiles, the restart may load
@@ -74,6 +75,8 @@ def start(mode: str, cache: Path, n: int = 0, tokens: int = 0, engine_start: str
         raise RuntimeError(f"{mode}: the engine did not start:\n{log[-2000:]}")
     result = json.loads(line.removeprefix("RESULT "))
     again = re.search(r"Compiling model again due to a load failure.*reason: (.*)", log)
+    cores = re.search(r"core ids=(\[[0-9, ]*\])", log)  # where vLLM's model runner computes (its own log)
+    result["core_ids"] = cores.group(1) if cores else None
     result.update(recompiled_because=again.group(1)[:200] if again else None,
                   aot_loaded="Directly load AOT compilation" in log)
     return result
@@ -100,7 +103,43 @@ def worker_start(mode: str, cache: Path, session_timeout_ms: int | None = None, 
     return asyncio.run(run())
 
 
+def alternate(args) -> None:
+    """`--alternate K`: engine restarts with a warm cache, each `--engine-starts` in turn, K rounds:
+    restart time and decoding rate per start method, median [min-max], and their ratio."""
+    starts, mode = args.engine_starts.split(","), args.modes.split(",")[0]
+    samples: dict[str, list[dict]] = {how: [] for how in starts}
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = Path(tmp) / mode
+        start(mode, cache, engine_start=starts[0])  # fills the cache: every start below is a restart
+        rounds = [starts if k % 2 == 0 else starts[::-1] for k in range(args.alternate)]
+        for order in tqdm(rounds, desc="rounds", unit="round"):
+            for how in order:
+                samples[how].append(start(mode, cache, args.decode_requests, args.decode_tokens, how))
+    bindings = {r["core_ids"] for rs in samples.values() for r in rs}
+    if len(bindings) != 1:
+        raise SystemExit(f"the starts computed on different cores ({bindings}): no comparison")
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    print(f"\n{common.machine()}; {common.today()}; rev {common.git_rev()}; {mode}, {args.alternate} rounds in "
+          f"alternating order, {args.decode_requests} requests x {args.decode_tokens} tokens at once after each restart; "
+          f"every start's model runner on cores {bindings.pop()} (read from its log)")
+    for how, rs in samples.items():
+        ready, tok = [r["ready_s"] for r in rs], [r["decode_tok_s"] for r in rs]
+        print(f"{how:11s} restart {med(ready):5.1f} s [{min(ready):.1f}-{max(ready):.1f}]   decoding "
+              f"{med(tok):6.1f} tokens/s [{min(tok):.1f}-{max(tok):.1f}]   greedy text "
+              f"{'the same in every start' if len({r['text'] for rs_ in samples.values() for r in rs_}) == 1 else 'DIFFERS'}")
+    if len(starts) == 2:
+        a, b = starts
+        ratio = lambda k: med([r[k] for r in samples[a]]) / med([r[k] for r in samples[b]])  # noqa: E731
+        print(f"{a} / {b}: restart {ratio('ready_s'):.2f}, decoding {ratio('decode_tok_s'):.2f}")
+    (OUT / "cold_start_alternate.json").write_text(json.dumps(
+        {"args": vars(args), "samples": samples, "machine": common.machine(), "date": common.today(),
+         "rev": common.git_rev()}, indent=2))
+    print(f"wrote {OUT / 'cold_start_alternate.json'}")
+
+
 def main(args) -> None:
+    if args.alternate:
+        return alternate(args)
     starts = args.engine_starts.split(",")
     pairs = [(mode, how) for mode in args.modes.split(",") for how in starts]
     rows = {}
@@ -156,6 +195,9 @@ if __name__ == "__main__":
     p.add_argument("--decode-requests", type=int, default=32,
                    help="after each restart, time this many requests decoded at once (0: skip)")
     p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--alternate", type=int, default=0, metavar="K",
+                   help="instead: K rounds of restarts of the first mode, each engine start in turn (alternating "
+                        "order), restart time and decoding per start method; writes bench/cold_start_alternate.json")
     p.add_argument("--worker", action="store_true", help="also time `sluice worker` start to /readyz, twice")
     p.add_argument("--session-timeout-ms", type=int, default=None,
                    help="the workers' SLUICE_GROUP_SESSION_TIMEOUT_MS (default: the settings' default)")
