@@ -31,7 +31,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench import common  # noqa: E402
+from bench import common, harness  # noqa: E402
 
 OUT = Path(__file__).resolve().parent
 CHILD = """
@@ -118,18 +118,18 @@ def alternate(args) -> None:
     bindings = {r["core_ids"] for rs in samples.values() for r in rs}
     if len(bindings) != 1:
         raise SystemExit(f"the starts computed on different cores ({bindings}): no comparison")
-    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     print(f"\n{common.machine()}; {common.today()}; rev {common.git_rev()}; {mode}, {args.alternate} rounds in "
           f"alternating order, {args.decode_requests} requests x {args.decode_tokens} tokens at once after each restart; "
           f"every start's model runner on cores {bindings.pop()} (read from its log)")
     for how, rs in samples.items():
-        ready, tok = [r["ready_s"] for r in rs], [r["decode_tok_s"] for r in rs]
-        print(f"{how:11s} restart {med(ready):5.1f} s [{min(ready):.1f}-{max(ready):.1f}]   decoding "
-              f"{med(tok):6.1f} tokens/s [{min(tok):.1f}-{max(tok):.1f}]   greedy text "
+        ready, tok = harness.spread([r["ready_s"] for r in rs]), harness.spread([r["decode_tok_s"] for r in rs])
+        print(f"{how:11s} restart {ready['median']:5.1f} s [{ready['min']:.1f}-{ready['max']:.1f}]   decoding "
+              f"{tok['median']:6.1f} tokens/s [{tok['min']:.1f}-{tok['max']:.1f}]   greedy text "
               f"{'the same in every start' if len({r['text'] for rs_ in samples.values() for r in rs_}) == 1 else 'DIFFERS'}")
     if len(starts) == 2:
         a, b = starts
-        ratio = lambda k: med([r[k] for r in samples[a]]) / med([r[k] for r in samples[b]])  # noqa: E731
+        med = lambda how, k: harness.spread([r[k] for r in samples[how]])["median"]  # noqa: E731
+        ratio = lambda k: med(a, k) / med(b, k)  # noqa: E731
         print(f"{a} / {b}: restart {ratio('ready_s'):.2f}, decoding {ratio('decode_tok_s'):.2f}")
     (OUT / "cold_start_alternate.json").write_text(json.dumps(
         {"args": vars(args), "samples": samples, "machine": common.machine(), "date": common.today(),
