@@ -73,7 +73,8 @@ class Pair:
                     "SLUICE_REDIS_KEY_PREFIX": f"fo-{mode}-{uuid.uuid4().hex[:6]}",
                     **({"SLUICE_GROUP_SESSION_TIMEOUT_MS": str(args.session_timeout_ms)}
                        if args.session_timeout_ms else {}),
-                    **({"SLUICE_GROUP_HEARTBEAT_INTERVAL_MS": str(args.heartbeat_ms)} if args.heartbeat_ms else {})}
+                    **({"SLUICE_GROUP_HEARTBEAT_INTERVAL_MS": str(args.heartbeat_ms)} if args.heartbeat_ms else {}),
+                    "SLUICE_GROUP_LEAVE_ON_DEATH": str(args.leave_on_death == "on").lower()}
         self.procs: dict[str, tuple[subprocess.Popen, int, Path]] = {}
         self.starts = 0
         self.ready_s: list[float] = []  # process start -> /readyz 200, per start
@@ -229,7 +230,8 @@ async def main(args) -> None:
     group = s.override(**({"group_session_timeout_ms": args.session_timeout_ms} if args.session_timeout_ms else {}),
                        **({"group_heartbeat_interval_ms": args.heartbeat_ms} if args.heartbeat_ms else {})).group
     print(f"\nSIGKILL mid-stream, ~{args.prompt_tokens}-token prompt, {args.max_tokens} tokens, session timeout "
-          f"{group.session_timeout_ms} ms, heartbeat {group.heartbeat_ms()} ms, compile mode {args.compile_mode}, "
+          f"{group.session_timeout_ms} ms, heartbeat {group.heartbeat_ms()} ms, group guard {args.leave_on_death}, "
+          f"compile mode {args.compile_mode}, "
           f"page save budget {f'{args.budget_mib_s:g} MiB/s, {args.burst_s:g} s burst' if args.budget_mib_s else 'none'}, "
           f"{args.reps} repetitions alternating; {common.machine()}; {common.today()}; rev {common.git_rev()}")
     first = next(iter(reports.values()))
@@ -267,6 +269,8 @@ def parser() -> argparse.ArgumentParser:
                    help="SLUICE_GROUP_SESSION_TIMEOUT_MS of every worker (default: the setting's default)")
     p.add_argument("--heartbeat-ms", type=int, default=None,
                    help="SLUICE_GROUP_HEARTBEAT_INTERVAL_MS of every worker (default: a third of the session timeout)")
+    p.add_argument("--leave-on-death", choices=["on", "off"], default="on",
+                   help="SLUICE_GROUP_LEAVE_ON_DEATH: the killed worker's guard takes it out of the group at once")
     p.add_argument("--prompt-tokens", type=int, default=1500)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--settle-s", type=float, default=8.0, help="after a (re)start, for the group to settle")

@@ -81,6 +81,9 @@ class GroupSettings(_Section):
     # next heartbeat, so detection of a dead worker takes up to session timeout + this. 0: a third
     # of the session timeout (aiokafka's advice).
     heartbeat_interval_ms: NonNegative = 0
+    # A worker process that dies (SIGKILL, the OOM killer, a crash) is taken out of the group at once by
+    # its guard process (worker/group_guard.py) instead of holding its partitions for the session timeout.
+    leave_on_death: bool = True
 
     def heartbeat_ms(self) -> int:
         return self.heartbeat_interval_ms or max(100, self.session_timeout_ms // 3)

@@ -31,6 +31,7 @@ from worker.commits import Commits
 from worker.dispatch import Dispatcher
 from worker.emitter import Emitter, kafka_producer
 from worker.engine import Engine
+from worker.group_guard import GroupGuard, leave_group
 from worker.intake import Intake, loop_name
 from worker.offsets import OffsetTracker
 from worker.policy import ClassPolicy, Scheduler
@@ -80,7 +81,11 @@ class _Rebalance(ConsumerRebalanceListener):
         await self.worker._on_revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned):
-        log.info("partitions_assigned", partitions=sorted(f"{tp.topic}[{tp.partition}]" for tp in assigned))
+        # aiokafka keeps the member id on its coordinator; the guard needs it to leave for a dead worker
+        coordinator = getattr(self.worker.consumer, "_coordinator", None)
+        self.worker.group_guard.joined(getattr(coordinator, "member_id", ""))
+        log.info("partitions_assigned", partitions=sorted(f"{tp.topic}[{tp.partition}]" for tp in assigned),
+                 generation=getattr(coordinator, "generation", None))
 
 
 class Worker:
@@ -126,6 +131,7 @@ class Worker:
         for t in catalog.requests:
             if t.slo_ms is not None:
                 metrics.class_slo.labels(t.latency_class).set(t.slo_ms / 1000)
+        self.group_guard = GroupGuard()  # started with a real consumer (worker/group_guard.py)
         self._started = False
 
     @property
@@ -154,6 +160,9 @@ class Worker:
             started.append(self.emitter.stop)
             await self.emitter.start()
             self.consumer.subscribe(list(self._topics), listener=_Rebalance(self))
+            if s.group.leave_on_death and hasattr(self.consumer, "_coordinator"):  # aiokafka's, not a test double
+                started.append(self._close_group_guard)
+                self.group_guard.start(s.kafka, s.group.id, timeout_s=s.kafka.request_timeout_ms / 1000)
             started.append(self.consumer.stop)
             await self.consumer.start()
         except BaseException:
@@ -191,12 +200,32 @@ class Worker:
             if not_done:
                 log.warning("drain_timeout", abandoned=len(not_done))
         # Requests still waiting were never started: left uncommitted, another worker reads them.
-        for step in (self.commits.commit, self.consumer.stop, self.emitter.stop, self.answers.stop):
+        for step in (self.commits.commit, self._stop_consumer, self._close_group_guard, self.emitter.stop,
+                     self.answers.stop):
             try:
                 await step()
             except Exception as exc:  # noqa: BLE001 - the rest of the shutdown still runs
                 log.warning("stop_step_failed", step=getattr(step, "__qualname__", str(step)), error=repr(exc))
         log.info("worker_stopped", failure=self.supervisor.failure)
+
+    async def _stop_consumer(self) -> None:
+        """Stop the consumer, which leaves the group so that the others take its partitions now.
+
+        aiokafka sends that LeaveGroup only from generation 1 up; the embedded broker numbers a new
+        group's first generation 0, so a worker stopped then would hold its partitions for the
+        session timeout. In that case the leave is sent here.
+        """
+        coordinator = getattr(self.consumer, "_coordinator", None)
+        member, generation = getattr(coordinator, "member_id", ""), getattr(coordinator, "generation", -1)
+        await self.consumer.stop()
+        if generation == 0 and member:
+            code = await leave_group(self.settings.kafka.options(), self.settings.group.id, member,
+                                     self.settings.kafka.request_timeout_ms / 1000)
+            log.info("group_left", generation=generation, error_code=code)
+
+    async def _close_group_guard(self) -> None:
+        """After the consumer has left the group itself: the guard stands down."""
+        await asyncio.to_thread(self.group_guard.close)
 
     async def run_until(self, stop_event: asyncio.Event, on_stopping=None) -> int:
         """Serve until `stop_event` is set (0) or the worker fails (1); drains either way.

@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import datetime
 
 import msgspec
 from aiokafka.partitioner import DefaultPartitioner
@@ -31,6 +32,8 @@ class KillRun:
     survivor_metrics: str = ""
     survivor_log: str = ""
     orphaned_engine_procs: list[int] = field(default_factory=list)
+    victim_log: str = ""
+    killed_at: float = 0.0  # wall clock, as the workers' log timestamps
     after: object = None  # what the `after` callback returned
 
 
@@ -148,6 +151,7 @@ async def kill_mid_stream(settings, catalog, tmp_path, model_dir, prompts: dict[
             if victim.poll() is None and all(len(t) >= 4 for rid, t in run.tokens.items() if rid in prompts):
                 engine_procs.update({p: engine_guard.start_time(p)
                                      for p in engine_guard.descendants(engine_guard.parents(), victim.pid)})
+                run.killed_at = time.time()
                 victim.send_signal(signal.SIGKILL)  # no drain, no commit, no goodbye
                 victim.wait()
 
@@ -169,7 +173,19 @@ async def kill_mid_stream(settings, catalog, tmp_path, model_dir, prompts: dict[
                 p.kill()
                 p.wait()
     run.survivor_log = (tmp_path / "survivor.log").read_text()
+    run.victim_log = (tmp_path / "victim.log").read_text()
     return run
+
+
+def seconds_to_takeover(run: KillRun) -> float | None:
+    """From the kill to the survivor's first `partitions_assigned` after it (log timestamps)."""
+    for line in run.survivor_log.splitlines():
+        if '"partitions_assigned"' in line and line.startswith("{"):
+            stamp = msgspec.json.decode(line)["timestamp"]
+            at = datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+            if at > run.killed_at:
+                return at - run.killed_at
+    return None
 
 
 def assert_one_stream_each(run: KillRun, ids) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from schemas import Request
 from tests.integration.helpers import metric
-from tests.integration.kill_resume import assert_one_stream_each, kill_mid_stream, spread_ids
+from tests.integration.kill_resume import assert_one_stream_each, kill_mid_stream, seconds_to_takeover, spread_ids
 from worker.engine import GenParams
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -32,6 +32,10 @@ async def test_sigkill_mid_stream_loses_and_changes_nothing(settings, catalog, e
     prompts = {rid: prompt(k) for k, rid in enumerate(ids)}
     run = await kill_mid_stream(settings, catalog, tmp_path, model_dir, prompts, MAX_TOKENS)
     assert not run.orphaned_engine_procs
+    # its guard took it out of the group: the survivor held its partitions before the 10 s session timeout
+    assert '"group_left_for_dead_worker"' in run.victim_log, run.victim_log[-2000:]
+    takeover = seconds_to_takeover(run)
+    assert takeover is not None and takeover < 10, takeover
     assert_one_stream_each(run, prompts)
     resumed = [rid for rid in prompts if run.finals[rid][0].resumed]
     assert resumed, "no request was on the killed worker"

@@ -1,0 +1,116 @@
+"""A `sluice worker` process that dies leaves its consumer group at once (worker/group_guard.py).
+
+Real broker, real worker processes; the engine is the fake one because the guard has nothing to
+do with the engine (tests/integration/test_chaos.py checks the same with the real engine and
+model). The survivor is a plain aiokafka consumer in the worker's group, so the time it takes to
+hold every partition is the broker's and the guard's, not a second worker's start-up.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from aiokafka import AIOKafkaConsumer
+
+from tests.integration.helpers import free_port, http_get, prefixed_topics_file
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SESSION_MS = 10000  # the default
+
+
+async def _worker_and_survivor(settings, catalog, tmp_path, **env_extra):
+    topic = catalog.request_topic("standard")
+    group, port = f"gg-{uuid.uuid4().hex[:6]}", free_port()
+    env = {**os.environ, "SLUICE_TOPICS_FILE": str(prefixed_topics_file(catalog, tmp_path / "topics.toml")),
+           "SLUICE_GROUP_ID": group, "SLUICE_METRICS_PORT": str(port), "SLUICE_ENGINE_KIND": "fake",
+           "SLUICE_KAFKA_IDEMPOTENCE": "false", "SLUICE_REDIS_KEY_PREFIX": settings.redis.key_prefix,
+           "SLUICE_GROUP_SESSION_TIMEOUT_MS": str(SESSION_MS), **env_extra}
+    log = open(tmp_path / "worker.log", "wb")
+    # its own process group, so the kill below is the whole worker, as a container runtime's would be
+    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], env=env, stdout=log, stderr=log,
+                            start_new_session=True)
+    survivor = AIOKafkaConsumer(topic.name, **settings.kafka.options(), group_id=group,
+                                session_timeout_ms=SESSION_MS, heartbeat_interval_ms=1000)
+    await survivor.start()
+    end = time.monotonic() + 120
+    # until the worker is ready and the two share the topic
+    while not (http_get(port, "/readyz")[0] == 200 and 0 < len(survivor.assignment()) < topic.partitions):
+        assert proc.poll() is None and time.monotonic() < end, (tmp_path / "worker.log").read_text()[-2000:]
+        await survivor.getmany(timeout_ms=100)
+    return proc, survivor, topic.partitions
+
+
+async def _seconds_until_all(survivor, partitions: int, limit_s: float) -> float:
+    started = time.monotonic()
+    while len(survivor.assignment()) < partitions and time.monotonic() - started < limit_s:
+        await survivor.getmany(timeout_ms=20)
+    return time.monotonic() - started
+
+
+def _guard_lines(worker_log: str) -> list[str]:
+    return [line for line in worker_log.splitlines() if '"group_left_for_dead_worker"' in line]
+
+
+async def test_a_killed_worker_leaves_its_group_before_its_session_timeout(settings, catalog, tmp_path):
+    proc, survivor, partitions = await _worker_and_survivor(settings, catalog, tmp_path)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        took = await _seconds_until_all(survivor, partitions, 60)
+    finally:
+        await survivor.stop()
+    worker_log = (tmp_path / "worker.log").read_text()
+    left = _guard_lines(worker_log)
+    assert left and '"error_code": 0' in left[-1], worker_log[-2000:]
+    # without the guard the coordinator waits out the session timeout first (the control below)
+    assert took < SESSION_MS / 1000, took
+
+
+async def test_without_the_guard_the_survivor_waits_out_the_session_timeout(settings, catalog, tmp_path):
+    """The control: the same kill with SLUICE_GROUP_LEAVE_ON_DEATH=false."""
+    proc, survivor, partitions = await _worker_and_survivor(settings, catalog, tmp_path,
+                                                            SLUICE_GROUP_LEAVE_ON_DEATH="false")
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        took = await _seconds_until_all(survivor, partitions, 60)
+    finally:
+        await survivor.stop()
+    assert not _guard_lines((tmp_path / "worker.log").read_text())
+    assert took >= SESSION_MS / 1000, took
+
+
+def _last_generation(worker_log: str) -> int | None:
+    lines = [json.loads(line) for line in worker_log.splitlines() if '"partitions_assigned"' in line]
+    return lines[-1].get("generation") if lines else None
+
+
+async def test_a_clean_stop_stands_the_guard_down(settings, catalog, tmp_path):
+    """A drained worker leaves the group itself and its guard stands down. When both members joined
+    in the group's first generation, which the embedded broker numbers 0, aiokafka's own LeaveGroup
+    is skipped and the worker sends it (`group_left`); either way the survivor takes over before
+    the session timeout."""
+    proc, survivor, partitions = await _worker_and_survivor(settings, catalog, tmp_path)
+    try:
+        guards = subprocess.run(["pgrep", "-f", "worker.group_guard"], capture_output=True, text=True).stdout.split()
+        assert guards, "no guard process is running beside the worker"
+        proc.send_signal(signal.SIGTERM)
+        rc = await asyncio.to_thread(proc.wait, 60)
+        took = await _seconds_until_all(survivor, partitions, 60)
+    finally:
+        await survivor.stop()
+    worker_log = (tmp_path / "worker.log").read_text()
+    assert rc == 0, worker_log[-2000:]
+    assert not _guard_lines(worker_log)  # the consumer left the group itself; the guard had nothing to do
+    if _last_generation(worker_log) == 0:
+        assert '"group_left"' in worker_log, worker_log[-2000:]
+    assert took < SESSION_MS / 1000, (took, _last_generation(worker_log))
+    still = [pid for pid in guards if os.path.exists(f"/proc/{pid}")]
+    assert not still, f"guard processes outlived a clean stop: {still}"
