@@ -11,14 +11,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
-import uuid
 
 import pytest
-from aiokafka import AIOKafkaConsumer
 
-from tests.integration.helpers import free_port, http_get, prefixed_topics_file
+from bench.takeover import seconds_until_all, worker_and_survivor
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -26,32 +22,7 @@ SESSION_MS = 10000  # the default
 
 
 async def _worker_and_survivor(settings, catalog, tmp_path, **env_extra):
-    topic = catalog.request_topic("standard")
-    group, port = f"gg-{uuid.uuid4().hex[:6]}", free_port()
-    env = {**os.environ, "SLUICE_TOPICS_FILE": str(prefixed_topics_file(catalog, tmp_path / "topics.toml")),
-           "SLUICE_GROUP_ID": group, "SLUICE_METRICS_PORT": str(port), "SLUICE_ENGINE_KIND": "fake",
-           "SLUICE_KAFKA_IDEMPOTENCE": "false", "SLUICE_REDIS_KEY_PREFIX": settings.redis.key_prefix,
-           "SLUICE_GROUP_SESSION_TIMEOUT_MS": str(SESSION_MS), **env_extra}
-    log = open(tmp_path / "worker.log", "wb")
-    # its own process group, so the kill below is the whole worker, as a container runtime's would be
-    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], env=env, stdout=log, stderr=log,
-                            start_new_session=True)
-    survivor = AIOKafkaConsumer(topic.name, **settings.kafka.options(), group_id=group,
-                                session_timeout_ms=SESSION_MS, heartbeat_interval_ms=1000)
-    await survivor.start()
-    end = time.monotonic() + 120
-    # until the worker is ready and the two share the topic
-    while not (http_get(port, "/readyz")[0] == 200 and 0 < len(survivor.assignment()) < topic.partitions):
-        assert proc.poll() is None and time.monotonic() < end, (tmp_path / "worker.log").read_text()[-2000:]
-        await survivor.getmany(timeout_ms=100)
-    return proc, survivor, topic.partitions
-
-
-async def _seconds_until_all(survivor, partitions: int, limit_s: float) -> float:
-    started = time.monotonic()
-    while len(survivor.assignment()) < partitions and time.monotonic() - started < limit_s:
-        await survivor.getmany(timeout_ms=20)
-    return time.monotonic() - started
+    return await worker_and_survivor(settings.kafka.options(), catalog, tmp_path, SESSION_MS, 1000, **env_extra)
 
 
 def _guard_lines(worker_log: str) -> list[str]:
@@ -63,7 +34,7 @@ async def test_a_killed_worker_leaves_its_group_before_its_session_timeout(setti
     try:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        took = await _seconds_until_all(survivor, partitions, 60)
+        took = await seconds_until_all(survivor, partitions, 60)
     finally:
         await survivor.stop()
     worker_log = (tmp_path / "worker.log").read_text()
@@ -80,7 +51,7 @@ async def test_without_the_guard_the_survivor_waits_out_the_session_timeout(sett
     try:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        took = await _seconds_until_all(survivor, partitions, 60)
+        took = await seconds_until_all(survivor, partitions, 60)
     finally:
         await survivor.stop()
     assert not _guard_lines((tmp_path / "worker.log").read_text())
@@ -103,7 +74,7 @@ async def test_a_clean_stop_stands_the_guard_down(settings, catalog, tmp_path):
         assert guards, "no guard process is running beside the worker"
         proc.send_signal(signal.SIGTERM)
         rc = await asyncio.to_thread(proc.wait, 60)
-        took = await _seconds_until_all(survivor, partitions, 60)
+        took = await seconds_until_all(survivor, partitions, 60)
     finally:
         await survivor.stop()
     worker_log = (tmp_path / "worker.log").read_text()
