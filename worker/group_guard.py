@@ -69,9 +69,10 @@ class GroupGuard:
     def __init__(self):
         self._proc: subprocess.Popen | None = None
 
-    def start(self, kafka: KafkaSettings, group_id: str, timeout_s: float) -> None:
+    def start(self, kafka: KafkaSettings, group_id: str, timeout_s: float, stderr=None) -> None:
+        """`stderr`: where the guard's one log line goes (the worker's own stderr by default)."""
         self._proc = subprocess.Popen([sys.executable, "-m", "worker.group_guard"], stdin=subprocess.PIPE,
-                                      start_new_session=True, close_fds=True)
+                                      stderr=stderr, start_new_session=True, close_fds=True)
         first = msgspec.json.encode({"kafka": kafka, "group": group_id, "timeout_s": timeout_s})
         self._send(first.decode())
 

@@ -11,6 +11,7 @@ is proven is sluice's side (every client's TLS and client-certificate settings),
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import uuid
 
@@ -82,3 +83,31 @@ async def test_the_worker_and_every_client_serve_over_mutual_tls(tls_settings, t
     assert all(o.text == o.final.text for o in out.values())  # streamed tokens arrived over TLS too
     assert len(tls_broker.verified) - accepted >= 4  # admin, worker consumer and producer, burst clients
     assert set(tls_broker.verified) == {"sluice-worker"}
+
+
+async def test_the_group_guard_takes_a_member_out_over_mutual_tls(tls_settings, tls_broker, tmp_path):
+    """The guard gets the TLS settings (key password included) over its pipe and connects with them."""
+    from aiokafka import AIOKafkaConsumer
+
+    from worker.group_guard import GroupGuard
+
+    s = tls_settings
+    catalog = topics.load().renamed(f"tlsg{uuid.uuid4().hex[:6]}.")
+    await apply(s.kafka.options(), catalog)
+    group = f"g-{uuid.uuid4().hex[:6]}"
+    consumer = AIOKafkaConsumer(catalog.request_topic("standard").name, **s.kafka.options(), group_id=group)
+    await consumer.start()
+    guard = GroupGuard()
+    try:
+        while not consumer.assignment():
+            await consumer.getmany(timeout_ms=100)
+        with open(tmp_path / "guard.log", "wb") as log:
+            guard.start(s.kafka, group, timeout_s=20, stderr=log)
+        guard.joined(consumer._coordinator.member_id)
+        guard._proc.stdin.close()  # the pipe closes without a stand-down, as when the worker dies
+        await asyncio.to_thread(guard._proc.wait, 60)
+    finally:
+        await consumer.stop()
+    line = json.loads((tmp_path / "guard.log").read_text().strip().splitlines()[-1])
+    assert line["event"] == "group_left_for_dead_worker" and line["error_code"] == 0, line
+    assert KEY_PASSWORD not in (tmp_path / "guard.log").read_text()
