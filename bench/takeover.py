@@ -37,9 +37,10 @@ ARMS = ("killed, guard on", "killed, guard off", "drained")
 
 
 async def worker_and_survivor(kafka_options: dict, catalog, workdir: Path, session_ms: int, heartbeat_ms: int,
-                              **env_extra):
+                              launcher: tuple[str, ...] = (), **env_extra):
     """A fake-engine `sluice worker` (own process group, log in workdir/worker.log) and a plain consumer
-    in its group, once the worker is ready and the two share the standard topic: (proc, consumer, partitions)."""
+    in its group, once the worker is ready and the two share the standard topic: (proc, consumer, partitions).
+    `launcher`: what starts the worker (the image's `python -m worker.container_init`, say)."""
     from aiokafka import AIOKafkaConsumer
 
     topic = catalog.request_topic("standard")
@@ -52,7 +53,7 @@ async def worker_and_survivor(kafka_options: dict, catalog, workdir: Path, sessi
            "SLUICE_GROUP_HEARTBEAT_INTERVAL_MS": str(heartbeat_ms), **env_extra}
     log = open(workdir / "worker.log", "wb")
     # its own process group, so a kill takes the whole worker, as a container runtime's would
-    proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], env=env, stdout=log, stderr=log,
+    proc = subprocess.Popen([*launcher, sys.executable, "-m", "worker.cli", "worker"], env=env, stdout=log, stderr=log,
                             start_new_session=True, cwd=ROOT)
     survivor = AIOKafkaConsumer(topic.name, **kafka_options, group_id=group, session_timeout_ms=session_ms,
                                 heartbeat_interval_ms=heartbeat_ms)

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -21,8 +22,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 SESSION_MS = 10000  # the default
 
 
-async def _worker_and_survivor(settings, catalog, tmp_path, **env_extra):
-    return await worker_and_survivor(settings.kafka.options(), catalog, tmp_path, SESSION_MS, 1000, **env_extra)
+async def _worker_and_survivor(settings, catalog, tmp_path, launcher=(), **env_extra):
+    return await worker_and_survivor(settings.kafka.options(), catalog, tmp_path, SESSION_MS, 1000, launcher,
+                                     **env_extra)
 
 
 def _guard_lines(worker_log: str) -> list[str]:
@@ -85,3 +87,24 @@ async def test_a_clean_stop_stands_the_guard_down(settings, catalog, tmp_path):
     assert took < SESSION_MS / 1000, (took, _last_generation(worker_log))
     still = [pid for pid in guards if os.path.exists(f"/proc/{pid}")]
     assert not still, f"guard processes outlived a clean stop: {still}"
+
+
+async def test_under_the_images_init_a_killed_worker_still_leaves_its_group(settings, catalog, tmp_path):
+    """The image starts `python -m worker.container_init sluice worker`: the worker is the init's
+    child, and the init waits for the guard before it exits with the worker's status."""
+    init = (sys.executable, "-m", "worker.container_init")
+    proc, survivor, partitions = await _worker_and_survivor(settings, catalog, tmp_path, launcher=init)
+    try:
+        children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+        assert len(children) == 1, children  # the worker; its guards live in sessions of their own
+        os.kill(int(children[0]), signal.SIGKILL)  # the worker alone, not its init
+        took = await seconds_until_all(survivor, partitions, 60)
+        rc = await asyncio.to_thread(proc.wait, 60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await survivor.stop()
+    worker_log = (tmp_path / "worker.log").read_text()
+    assert _guard_lines(worker_log), worker_log[-2000:]
+    assert took < SESSION_MS / 1000, took
+    assert rc == 128 + signal.SIGKILL  # the worker's status, as a shell would report it
