@@ -32,10 +32,11 @@ async def test_sigkill_mid_stream_loses_and_changes_nothing(settings, catalog, e
     prompts = {rid: prompt(k) for k, rid in enumerate(ids)}
     run = await kill_mid_stream(settings, catalog, tmp_path, model_dir, prompts, MAX_TOKENS)
     assert not run.orphaned_engine_procs
-    # its guard took it out of the group: the survivor held its partitions before the 10 s session timeout
-    assert '"group_left_for_dead_worker"' in run.victim_log, run.victim_log[-2000:]
-    takeover = seconds_to_takeover(run)
-    assert takeover is not None and takeover < 10, takeover
+    # its guard took it out of the group: the coordinator accepted the LeaveGroup (how much sooner the
+    # partitions move is timed in test_group_guard.py, where the survivor is a plain consumer)
+    left = [line for line in run.victim_log.splitlines() if '"group_left_for_dead_worker"' in line]
+    assert left and '"error_code": 0' in left[-1], run.victim_log[-2000:]
+    assert seconds_to_takeover(run) is not None, run.survivor_log[-2000:]
     assert_one_stream_each(run, prompts)
     resumed = [rid for rid in prompts if run.finals[rid][0].resumed]
     assert resumed, "no request was on the killed worker"
