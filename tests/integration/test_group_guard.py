@@ -31,14 +31,19 @@ def _guard_lines(worker_log: str) -> list[str]:
     return [line for line in worker_log.splitlines() if '"group_left_for_dead_worker"' in line]
 
 
-async def test_a_killed_worker_leaves_its_group_before_its_session_timeout(settings, catalog, tmp_path):
-    proc, survivor, partitions = await _worker_and_survivor(settings, catalog, tmp_path)
+async def _kill_and_time(settings, catalog, tmp_path, **env_extra) -> float:
+    """SIGKILL the worker's process group; seconds until the survivor holds every partition."""
+    proc, survivor, partitions = await _worker_and_survivor(settings, catalog, tmp_path, **env_extra)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        took = await seconds_until_all(survivor, partitions, 60)
+        return await seconds_until_all(survivor, partitions, 60)
     finally:
         await survivor.stop()
+
+
+async def test_a_killed_worker_leaves_its_group_before_its_session_timeout(settings, catalog, tmp_path):
+    took = await _kill_and_time(settings, catalog, tmp_path)
     worker_log = (tmp_path / "worker.log").read_text()
     left = _guard_lines(worker_log)
     assert left and '"error_code": 0' in left[-1], worker_log[-2000:]
@@ -48,14 +53,7 @@ async def test_a_killed_worker_leaves_its_group_before_its_session_timeout(setti
 
 async def test_without_the_guard_the_survivor_waits_out_the_session_timeout(settings, catalog, tmp_path):
     """The control: the same kill with SLUICE_GROUP_LEAVE_ON_DEATH=false."""
-    proc, survivor, partitions = await _worker_and_survivor(settings, catalog, tmp_path,
-                                                            SLUICE_GROUP_LEAVE_ON_DEATH="false")
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        took = await seconds_until_all(survivor, partitions, 60)
-    finally:
-        await survivor.stop()
+    took = await _kill_and_time(settings, catalog, tmp_path, SLUICE_GROUP_LEAVE_ON_DEATH="false")
     assert not _guard_lines((tmp_path / "worker.log").read_text())
     assert took >= SESSION_MS / 1000, took
 
