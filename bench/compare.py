@@ -192,7 +192,8 @@ class SluiceArm:
                                               SLUICE_IGNORE_EOS="true", SLUICE_LOG_LEVEL="info",
                                               SLUICE_KV_TTL_S="600", SLUICE_KV_SAVE_BUDGET_MIB_S=str(self.budget),
                                               SLUICE_KV_SAVE_BURST_S=str(self.burst),
-                                              SLUICE_METRICS_PORT=str(self.metrics_port))
+                                              SLUICE_METRICS_PORT=str(self.metrics_port),
+                                              SLUICE_KAFKA_FETCH_MAX_WAIT_MS=str(self.args.fetch_max_wait_ms))
         env[common.RESERVED_CPUS_ENV] = str(self.args.reserved_cpus)
         procs = []
         self.cat = await self.stack.enter_async_context(
@@ -288,6 +289,7 @@ def table(summary: dict[str, dict]) -> str:
 async def main(args) -> None:
     s = common.settings()
     args.model = args.model or s.engine.model
+    args.fetch_max_wait_ms = args.fetch_max_wait_ms or s.kafka.fetch_max_wait_ms
     arms = [OfflineArm(args), ServerArm(args), SluiceArm(args, s, pages=False)]
     if not args.no_pages_arm:
         arms.append(SluiceArm(args, s, pages=True))
@@ -332,7 +334,7 @@ async def main(args) -> None:
                                                       for a, b in zip(runs[arm], runs["sluice"])])
     print(f"\n{args.requests} requests x ~{args.prompt_tokens} prompt tokens x {args.max_tokens} output tokens "
           f"(ignore_eos), greedy, {args.reps} repetitions in rotated order; {common.machine()}; {common.today()}; "
-          f"rev {common.git_rev()}")
+          f"rev {common.git_rev()}; workers' fetch wait {args.fetch_max_wait_ms} ms")
     first = reports[arms[0].name]
     print("every arm: " + ", ".join(f"{k}={first[k]}" for k in harness.COMPARED))
     for name, r in reports.items():
@@ -370,6 +372,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--burst-s", type=float, default=1.0,
                    help="seconds of unused budget that arm's bucket keeps (kv.save_burst_s); the arm is named @B+Ns")
     p.add_argument("--model", default=None, help="default: the bundled model")
+    p.add_argument("--fetch-max-wait-ms", type=int, default=None,
+                   help="kafka.fetch_max_wait_ms of the sluice arms (default: the setting's); idle arms poll the "
+                        "broker this often while the others run")
     p.add_argument("--child-offline", action="store_true", help=argparse.SUPPRESS)
     return p
 
