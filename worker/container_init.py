@@ -42,16 +42,21 @@ def main(argv: list[str]) -> int:
         print("usage: python -m worker.container_init COMMAND [ARGS...]", file=sys.stderr)
         return 2
     become_subreaper()
+    # held until the handlers below are in place: a SIGTERM sent right after the fork is forwarded,
+    # not taken with this process's default action
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     child = os.fork()
     if child == 0:
         for sig in FORWARDED:
             signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         try:
             os.execvp(argv[0], argv)
         finally:
             os._exit(127)
     for sig in FORWARDED:
         signal.signal(sig, lambda signum, frame: _forward(child, signum))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     code, deadline = None, None
     while True:
         try:
