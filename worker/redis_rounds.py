@@ -73,9 +73,10 @@ async def run_scripts(client, calls: list[tuple[Script, list[str], list]]) -> li
         node = client.nodes_manager.get_node_from_slot(key_slot(keys[0].encode()))
         by_node.setdefault(node, []).append(i)
     nodes = list(by_node)
-    replies = await asyncio.gather(*(_node_round(node, [
-        ("EVALSHA", calls[i][0].sha, len(calls[i][1]), *calls[i][1], *calls[i][2]) for i in by_node[node]])
-        for node in nodes))
+    rounds = [_node_round(node, [("EVALSHA", calls[i][0].sha, len(calls[i][1]), *calls[i][1], *calls[i][2])
+                                 for i in by_node[node]]) for node in nodes]
+    # one node: its round runs in this task (no task and gathering future per round)
+    replies = [await rounds[0]] if len(rounds) == 1 else await asyncio.gather(*rounds)
     results: list = [None] * len(calls)
     for node, out in zip(nodes, replies):
         for i, reply in zip(by_node[node], out):

@@ -27,10 +27,23 @@ class _Source:
 
 
 async def _both(first, second) -> None:
-    """Run two sends at once; wait for both, then raise the first failure (none is left running)."""
-    for result in await asyncio.gather(first, second, return_exceptions=True):
-        if isinstance(result, BaseException):
-            raise result
+    """Run two sends at once; wait for both, then raise the first failure (none is left running).
+
+    The second runs as a task and the first in this one: one task per request's finish rather
+    than the two, and the gathering future, that `asyncio.gather` would make."""
+    other = asyncio.ensure_future(second)
+    try:
+        await first
+    except asyncio.CancelledError:
+        other.cancel()
+        await asyncio.wait([other])
+        raise
+    except BaseException:
+        await asyncio.wait([other])  # the first failure is raised once the other send has ended
+        if not other.cancelled():
+            other.exception()  # retrieved: the first failure is the one raised
+        raise
+    await other
 
 
 class Fenced(Exception):
@@ -127,15 +140,18 @@ class Replies:
         same text: a reader drops the repeats); a gap never reaches a reader silently."""
         if not job.token_futures:
             return
-        results = await asyncio.gather(*job.token_futures, return_exceptions=True)
-        job.token_futures.clear()
-        first = next((i for i, r in enumerate(results) if isinstance(r, BaseException)), None)
+        pending = [f for f in job.token_futures if not f.done()]
+        if pending:  # most are acknowledged already: no gathering future for those
+            await asyncio.wait(pending)
+        futures, job.token_futures = job.token_futures, []
+        first = next((i for i, f in enumerate(futures) if f.cancelled() or f.exception() is not None), None)
         if first is None:
             return
+        failure = "cancelled" if futures[first].cancelled() else repr(futures[first].exception())
         again = job.sent_tokens[first:]
         metrics.token_resends.inc(len(again))
         log.warning("token_records_failed", request_id=job.request.id, first_seq=again[0].seq, resending=len(again),
-                    error=repr(results[first])[:200])
+                    error=failure[:200])
         for reply in again:
             await self.emitter.token_durably(job.reply_to, reply, self.running)
 
