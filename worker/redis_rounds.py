@@ -11,12 +11,16 @@ in one go, scripts called by SHA. Anything unusual goes back to redis-py:
   redis-py follows the redirect and refreshes its slot map;
 - a connection error raises, with no retry: part of the round may have run, and the caller treats
   the round as failed (the answer store's degraded mode), never as run twice.
+
+Callers bound each round with a timeout of their own (the answer store's `_call`): a node that
+stops in the middle of its replies is cut off there, and its connection is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 from dataclasses import dataclass, field
 
 from hiredis import pack_command
@@ -50,9 +54,11 @@ async def _node_round(node, commands: list[tuple]) -> list:
         await node.disconnect_if_needed(conn)
         await conn.send_packed_command(b"".join(map(pack_command, commands)), check_health=False)
         out = []
-        for _ in commands:
+        for k in range(len(commands)):
             try:
-                out.append(await conn.read_response())
+                # The first reply waits up to the socket timeout. The others follow it on the same
+                # connection: read without a timer each (the callers bound the whole round).
+                out.append(await conn.read_response(timeout=None if k == 0 else math.inf))
             except ResponseError as exc:
                 out.append(exc)
         return out

@@ -64,3 +64,28 @@ async def test_a_script_error_is_raised(cluster):
     failing = Script("return redis.error_reply('no such thing')")
     with pytest.raises(Exception, match="no such thing"):
         await run_scripts(cluster, [(failing, [f"rounds:{{{uuid.uuid4().hex}}}:x"], [])])
+
+
+SLOW = Script("local t = redis.call('TIME') local until_us = t[1] * 1e6 + t[2] + tonumber(ARGV[1]) * 1000 "
+              "while true do t = redis.call('TIME') if t[1] * 1e6 + t[2] >= until_us then break end end return 1")
+
+
+async def test_a_round_cut_off_between_its_replies_leaves_no_reply_for_the_next_round(cluster):
+    """The replies after a round's first are read without a timer each: the caller's timeout bounds the
+    round, and a round it cuts off closes its connection, so the next round reads only its own replies."""
+    import asyncio
+    import time
+
+    tag = uuid.uuid4().hex[:6]
+    key = f"rounds:{{{tag}}}:n"
+    fast, slow = (ECHO_AND_COUNT, [key], [b"a"]), (SLOW, [key], [b"1200"])
+    await run_scripts(cluster, [fast, fast])  # loaded by SHA, and the node's connection is made
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.4):  # the first reply comes at once, the second after 1.2 s
+            await run_scripts(cluster, [fast, slow, fast])
+    assert time.monotonic() - started < 1.0  # cut off by the caller's bound, not left waiting for the script
+    await asyncio.sleep(1.0)  # the script ends on the node
+    # the next round on the same client: its own replies, not the cut-off round's leftovers
+    (reply,) = await run_scripts(cluster, [fast])
+    assert reply[:2] == [key.encode(), b"a"] and reply[2] == await cluster.get(key)  # this round's count
