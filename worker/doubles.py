@@ -84,6 +84,9 @@ class MemoryConsumer:
     def assignment(self) -> set:
         return set(self._assigned)
 
+    def partitions_for_topic(self, topic: str) -> set[int] | None:
+        return set(range(self.broker.partitions)) if topic in self.topics else None
+
     def pause(self, *tps) -> None:
         self._paused.update(tps)
 

@@ -23,6 +23,7 @@ import time
 import uuid
 
 import structlog
+from aiokafka import TopicPartition
 from aiokafka.errors import CorruptRecordException, KafkaError
 
 from schemas import BadRequest, ErrorCode, RequestCodec
@@ -33,6 +34,9 @@ from worker.tenancy import Tenancy, Unauthenticated
 
 log = structlog.get_logger("sluice.intake")
 MAX_REJECTS_IN_FLIGHT = 256
+# How long a loop with nothing to read waits for records. The consumer's fetches wake it as soon as
+# records arrive, so a longer wait costs no latency; a shorter one only spends CPU waking for nothing.
+IDLE_WAIT_MS = 1000
 # What a Kafka client raises for a record it cannot parse.
 UNPARSEABLE = (UnicodeDecodeError, CorruptRecordException)
 
@@ -84,9 +88,10 @@ class Intake:
                 await asyncio.sleep(self.poll_ms / 1000)
                 continue
             room = max(1, min(policy.batch_size, policy.max_waiting - self.dispatcher.scheduler.waiting(cls)))
-            generations = {tp: self.tracker.generation(tp) for tp in tps}
+            wanted = self._wanted(topic.name, tps)
+            generations = {tp: self.tracker.generation(tp) for tp in wanted}
             try:
-                got = await self._fetch(tps, room, policy.window_ms)
+                got = await self._fetch(wanted, room, policy.window_ms)
             except KafkaError as exc:
                 # Not stamped as a poll: a fetch that keeps failing trips the intake stall check.
                 metrics.intake_errors.labels(cls, "fetch").inc()
@@ -106,10 +111,16 @@ class Intake:
             if jobs:
                 await self._schedule(cls, jobs, generations, loop)
 
+    def _wanted(self, topic: str, tps: list) -> list:
+        """Every partition of the topic: a wait then also returns records of partitions assigned
+        during it, rather than waiting for the next turn (the consumer returns only assigned ones)."""
+        parts = self.consumer.partitions_for_topic(topic)
+        return [TopicPartition(topic, p) for p in sorted(parts)] if parts else tps
+
     async def _fetch(self, tps, room: int, window_ms: int) -> dict:
         got: dict = {}
         try:
-            got = await self.consumer.getmany(*tps, timeout_ms=self.poll_ms, max_records=room)
+            got = await self.consumer.getmany(*tps, timeout_ms=max(self.poll_ms, IDLE_WAIT_MS), max_records=room)
             n = sum(map(len, got.values()))
             if n and n < room and window_ms:
                 # Micro-batch: give the window a chance to fill before admitting.
@@ -131,7 +142,8 @@ class Intake:
         so it is the group's committed offset, or the beginning (`auto_offset_reset="earliest"`).
         """
         log.warning("unparseable_record_in_fetch", error=repr(first)[:300])
-        for tp in tps:
+        assigned = self.consumer.assignment()
+        for tp in [tp for tp in tps if tp in assigned]:  # only an assigned partition can be sought
             start = self.tracker.next_offset(tp)
             if start is None:
                 start = await self.consumer.committed(tp)

@@ -422,3 +422,25 @@ async def test_a_slow_engine_streams_each_token_as_it_comes_a_fast_one_coalesces
     assert sum(sizes) == 24 and max(sizes) == most_tokens_per_record
     if most_tokens_per_record > 1:
         assert len(sizes) < 24 / 2
+
+
+async def test_an_idle_intake_wait_returns_records_of_a_partition_assigned_during_it(monkeypatch):
+    """An idle loop waits long for records (`IDLE_WAIT_MS`); a partition the group hands it meanwhile
+    is read in that same wait, not after it."""
+    from aiokafka.structs import TopicPartition
+
+    from worker import intake
+
+    monkeypatch.setattr(intake, "IDLE_WAIT_MS", 20_000)
+    mem = Memory(partitions=2)
+    topic = CATALOG.request_topic("standard").name
+    async with running(mem):
+        everything = set(mem.consumer.assignment())
+        await mem.consumer.assign({tp for tp in everything if tp.partition == 0})
+        await asyncio.sleep(0.3)  # every loop is in its wait now, partition 1 not among the assigned
+        await mem.consumer.assign(everything)
+        started = time.monotonic()
+        mem.broker.append(topic, J({"id": "late", "prompt": "hi", "max_tokens": 2}), b"late", partition=1)
+        assert await until(lambda: "late" in mem.finals(), timeout=15)
+        assert time.monotonic() - started < 5  # well inside the 20 s wait it was read in
+    assert TopicPartition(topic, 1) in everything  # the partition came with the second assignment
