@@ -11,6 +11,10 @@ Backpressure: a class whose waiting queue is full has its partitions paused; the
 loop keeps polling, so group membership is never at risk. Each loop stamps
 `Liveness.polled` after every successful poll; the monitor fails the worker when
 a loop stops polling.
+
+Waiting: a loop asks for every partition of its topic and waits up to `IDLE_WAIT_MS`.
+The consumer's background fetches wake it as soon as records arrive, for partitions
+assigned before or during the wait, so an idle worker does not wake with every fetch.
 """
 
 from __future__ import annotations
