@@ -34,11 +34,9 @@ async def _both(first, second) -> None:
     other = asyncio.ensure_future(second)
     try:
         await first
-    except asyncio.CancelledError:
-        other.cancel()
-        await asyncio.wait([other])
-        raise
-    except BaseException:
+    except BaseException as exc:
+        if isinstance(exc, asyncio.CancelledError):
+            other.cancel()
         await asyncio.wait([other])  # the first failure is raised once the other send has ended
         if not other.cancelled():
             other.exception()  # retrieved: the first failure is the one raised
