@@ -13,6 +13,8 @@ seconds in and outlasts the window. Runs:
                          (`contended_in_engine`), one run per value of `--caps`
   sluice slo             both, SLUICE_ADMISSION=slo with realtime `slo_ms = --slo-ms`: batch's cap
                          follows realtime latency (only with `--slo-ms`)
+  sluice step            both, SLUICE_ADMISSION=step (stretch `--stretch`): batch's cap follows the
+                         engine's step time as the worker measures it
   vllm rt alone          realtime straight into the engine (`AsyncLLM` via the worker's adapter),
                          no Kafka
   vllm batch alone       the backlog straight into the engine
@@ -119,7 +121,8 @@ def step_ms(events, start: float, end: float) -> float | None:
     return percentile(gaps, 50) * 1000 if gaps else None
 
 
-async def sluice_run(s, eng, args, rt: bool, batch: bool, cap: int | None, slo_ms: int | None = None) -> Window:
+async def sluice_run(s, eng, args, rt: bool, batch: bool, cap: int | None, slo_ms: int | None = None,
+                     admission: str | None = None) -> Window:
     tag = uuid.uuid4().hex[:6]  # ids are idempotency keys: never reuse them across runs
     cat = await common.fresh_catalog(s, "iso")
     if cap is not None:
@@ -129,8 +132,9 @@ async def sluice_run(s, eng, args, rt: bool, batch: bool, cap: int | None, slo_m
     if slo_ms is not None:
         rtt = msgspec.structs.replace(cat.request_topic("realtime"), slo_ms=slo_ms)
         cat = msgspec.structs.replace(cat, topic=[rtt if t.name == rtt.name else t for t in cat.topic])
-    worker = Worker(s.override(group_id=f"bench-{uuid.uuid4().hex[:6]}",
-                               admission="slo" if slo_ms is not None else "fixed"), cat, eng)
+    admission = admission or ("slo" if slo_ms is not None else "fixed")
+    worker = Worker(s.override(group_id=f"bench-{uuid.uuid4().hex[:6]}", admission=admission,
+                               step_stretch=args.stretch), cat, eng)
     await worker.start()
     while not worker.consumer.assignment():
         await asyncio.sleep(0.1)
@@ -287,6 +291,7 @@ async def main(args) -> None:
             "sluice batch alone": lambda: sluice_run(s, eng, args, False, True, None),
             **{f"sluice cap={c}": (lambda c=c: sluice_run(s, eng, args, True, True, c)) for c in caps},
             **({"sluice slo": lambda: sluice_run(s, eng, args, True, True, None, args.slo_ms)} if args.slo_ms else {}),
+            "sluice step": lambda: sluice_run(s, eng, args, True, True, None, admission="step"),
             "vllm rt alone": lambda: vllm_run(eng, args, True, False, 10),
             "vllm batch alone": lambda: vllm_run(eng, args, False, True, 10),
             "vllm priority": lambda: vllm_run(eng, args, True, True, 10),
@@ -360,6 +365,7 @@ if __name__ == "__main__":
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--slo-ms", type=int, default=None,
                    help="add the `sluice slo` run: SLO admission with this realtime slo_ms")
+    p.add_argument("--stretch", type=float, default=1.2, help="SLUICE_STEP_STRETCH of the `sluice step` run")
     p.add_argument("--runs", default=None, help="comma-separated subset of the runs (default: all)")
     p.add_argument("--report", type=Path, default=None,
                    help="run nothing: print the step-time model of a saved isolation.json and redraw its plot")

@@ -34,6 +34,7 @@ class Dispatcher:
         self.rejects = 0
         self._live: dict[str, set[int]] = {}  # tenant -> its jobs waiting, running or suspended (quotas)
         self.wake = asyncio.Event()  # something to admit, or a slot freed
+        self.steps_reported = False  # the engine reports its steps (`engine_step`); else outputs time them
 
     def add(self, cls: str, job: Job) -> None:
         self._live.setdefault(job.tenant, set()).add(id(job))
@@ -48,6 +49,26 @@ class Dispatcher:
             live.discard(id(job))
             if not live:
                 del self._live[job.tenant]
+
+    def engine_output(self, tokens: int) -> None:
+        """Every output a request gets: the engine moved (stall detector). Under admission "step", with
+        an engine that does not report its steps, the outputs' bursts time them instead."""
+        self.liveness.engine_moved()
+        if not self.steps_reported:
+            self.engine_step(tokens)
+
+    def engine_step(self, tokens: int) -> None:
+        """One engine step (or burst of outputs) with its tokens: under admission "step" it feeds the
+        step model, and a new step may let the next lower-class request in."""
+        budget = self.scheduler.step_budget
+        if budget is None or not budget.clock.output(time.monotonic(), tokens):
+            return
+        fit = budget.model.fit()
+        if fit is not None:
+            metrics.engine_step.labels("fixed").set(fit[0])
+            metrics.engine_step.labels("per_token").set(fit[1])
+        if self.scheduler.waiting():
+            self.wake.set()
 
     def busy(self) -> bool:
         """Work waits for or holds an engine slot: the engine should be making progress."""
@@ -92,6 +113,12 @@ class Dispatcher:
         if not job.slot_released:
             job.slot_released = True
             self.scheduler.release(job.latency_class)
+            budget = self.scheduler.step_budget
+            if budget is not None:
+                if job.engine_done_at is not None and job.prompt_ids is not None:  # finished, not suspended
+                    budget.finished(job.latency_class, len(job.prompt_ids), len(job.generated))
+                if self.scheduler.running() == 0:
+                    budget.clock.idle()  # the next output does not end a step that ran
             self.wake.set()
 
     def drop(self, partitions: set) -> list:

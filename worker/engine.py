@@ -219,8 +219,10 @@ class VllmEngine:
         from vllm.v1.metrics.loggers import PrometheusStatLogger
 
         # vLLM's engine metrics (vllm:*) in the process registry, served on the worker's /metrics;
-        # its periodic log lines stay off (disable_log_stats).
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[PrometheusStatLogger])
+        # its periodic log lines stay off (disable_log_stats). `_StepLogger` hands each step's tokens
+        # to admission "step" (`watch_steps`).
+        self._on_step = None
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[PrometheusStatLogger, self._step_logger])
         self._guard.watch()  # a SIGKILLed worker must not leave the engine processes running
         self._tokenizer = self._llm.get_tokenizer()
         if getattr(self._tokenizer, "chat_template", None):
@@ -228,6 +230,29 @@ class VllmEngine:
             encode_chat(self._tokenizer, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
         self.max_model_len = self._llm.model_config.max_model_len
         self.resolved = describe_config(self._llm.vllm_config)
+
+    def _step_logger(self, vllm_config, engine_index: int = 0):
+        """vLLM's per-step stats callback: called once per engine step the front process receives."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        engine = self
+
+        class _StepLogger(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0):
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+                if iteration_stats is not None and engine._on_step is not None:
+                    engine._on_step(iteration_stats.num_generation_tokens + iteration_stats.num_prompt_tokens)
+
+            def log_engine_initialized(self):
+                pass
+
+        return _StepLogger(vllm_config, engine_index)
+
+    def watch_steps(self, listener) -> None:
+        """Call `listener(tokens)` for each engine step, with the tokens it computed (prompt and output)."""
+        self._on_step = listener
 
     def prompt_ids(self, request: Request) -> list[int]:
         """Producer text never becomes control tokens (`worker/prompt_tokens.py`)."""

@@ -56,8 +56,11 @@ duplicates = Counter("sluice_duplicate_requests_total", "Requests whose id was a
 waiting = Gauge("sluice_requests_waiting", "Requests read and waiting for admission", ["class"], registry=REGISTRY)
 in_engine = Gauge("sluice_requests_in_engine", "Requests admitted to the engine", ["class"], registry=REGISTRY)
 admission_cap = Gauge("sluice_admission_cap", "Requests of the class the engine may hold now (its contended cap "
-                      "while a higher class has work; with admission slo, steered by that class's latency)",
+                      "while a higher class has work; with admission slo or step, steered by that class's latency "
+                      "or the engine's step time)",
                       ["class"], registry=REGISTRY)
+engine_step = Gauge("sluice_engine_step_seconds", "The engine's step time as admission \"step\" fits it: the fixed "
+                    "part and the part per token in the step (absent until fitted)", ["part"], registry=REGISTRY)
 paused_partitions = Gauge("sluice_paused_partitions", "Partitions paused for backpressure", ["class"],
                           registry=REGISTRY)
 tokens_generated = Counter("sluice_tokens_generated_total", "Completion tokens", ["class"], registry=REGISTRY)

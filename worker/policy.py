@@ -17,6 +17,11 @@ realtime latency flat.
 With `admission = "slo"` the contended cap is not fixed: it follows the latency
 of the classes above (`SloCap`), so batch fills the engine as far as realtime
 stays within its objective, and gives slots back when it does not.
+
+With `admission = "step"` it follows the engine's measured step time
+(worker/step_budget.py): lower classes get the tokens per step that keep the busy
+class's steps within `stretch` of what its own tokens cost, and enter at most one
+per engine step, so their prefills do not land in one step together.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
+
+from worker.step_budget import StepBudget
 
 
 @dataclass(frozen=True)
@@ -106,12 +113,15 @@ class _Entry:
 
 class Scheduler:
     def __init__(self, policies: list[ClassPolicy], max_in_engine: int, hold_ms: int = 5000,
-                 admission: str = "fixed"):
+                 admission: str = "fixed", step_stretch: float = 1.2):
         self.policies = sorted(policies, key=lambda p: p.priority)
         # admission "slo": a class below one with an objective gets a cap that follows that objective
-        self.slo_caps: dict[str, SloCap] = {} if admission == "fixed" else {
+        self.slo_caps: dict[str, SloCap] = {} if admission != "slo" else {
             p.name: SloCap(p.min_in_engine, p.max_in_engine, p.contended_in_engine) for p in self.policies
             if any(h.target_ms for h in self.policies if h.priority < p.priority)}
+        # admission "step": caps from the engine's step time (fed through `step_budget.clock`)
+        self.step_budget = StepBudget(step_stretch) if admission == "step" else None
+        self._paced_step = -1  # the engine step of the last admission under a step budget
         self.hold_ms = hold_ms
         self._busy_ms: dict[str, int] = {p.name: -(1 << 62) for p in self.policies}
         self._now_ms = 0
@@ -145,16 +155,25 @@ class Scheduler:
             self._waiting[name] = keep
         return removed
 
+    def _busy(self, p: ClassPolicy) -> bool:
+        return bool(self._waiting[p.name] or self._running[p.name]) or self._now_ms - self._busy_ms[p.name] < self.hold_ms
+
     def cap(self, cls: str) -> int:
+        return self._cap(cls)[0]
+
+    def _cap(self, cls: str) -> tuple[int, bool]:
+        """(cap, whether the step budget set it)."""
         policy = self.by_name[cls]
-        higher_busy = any(
-            self._waiting[p.name] or self._running[p.name] or self._now_ms - self._busy_ms[p.name] < self.hold_ms
-            for p in self.policies if p.priority < policy.priority
-        )
-        if not higher_busy:
-            return policy.max_in_engine
+        top = next((p for p in self.policies if p.priority < policy.priority and self._busy(p)), None)
+        if top is None:
+            return policy.max_in_engine, False
+        if self.step_budget is not None:
+            caps = self.step_budget.caps(self._running[top.name], [
+                (p.name, self._running[p.name]) for p in self.policies if p.priority > top.priority])
+            if caps is not None:
+                return min(policy.max_in_engine, max(policy.min_in_engine, caps[cls])), True
         slo_cap = self.slo_caps.get(cls)
-        return slo_cap.value if slo_cap is not None else policy.contended_in_engine
+        return (slo_cap.value if slo_cap is not None else policy.contended_in_engine), False
 
     def observe(self, cls: str, latency_ms: float, now_ms: int) -> None:
         """A request of `cls` was answered `latency_ms` after it was produced: steer the caps below it."""
@@ -176,7 +195,9 @@ class Scheduler:
         for p in self.policies:
             higher = [h.name for h in self.policies if h.priority < p.priority]
             higher_active = any(self._waiting[h] or self._running[h] for h in higher)
-            excess = self._running[p.name] - max(self.cap(p.name), p.min_in_engine)
+            cap, measured = self._cap(p.name)
+            # a measured cap moves with every step: one request of slack, so a wobble suspends nothing
+            excess = self._running[p.name] - max(cap, p.min_in_engine) - int(measured)
             if higher_active and excess > 0:
                 out[p.name] = excess
         return out
@@ -206,9 +227,14 @@ class Scheduler:
         for p in self.policies:
             queue = self._waiting[p.name]
             # The floor applies even when the engine is full, so lower classes never starve.
-            while queue and self._running[p.name] < self.cap(p.name) and (
+            while queue and self._running[p.name] < (cap := self._cap(p.name))[0] and (
                 self.running() < self.max_in_engine or self._running[p.name] < p.min_in_engine
             ):
+                if cap[1]:  # under a step budget: one admission per engine step (an idle engine takes one)
+                    step = self.step_budget.clock.steps
+                    if step == self._paced_step and self.running() > 0:
+                        break
+                    self._paced_step = step
                 admitted.append((p.name, heapq.heappop(queue).item))
                 self._running[p.name] += 1
         return admitted, expired

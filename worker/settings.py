@@ -219,7 +219,10 @@ class WorkerSettings(_Section):
     contention_hold_ms: NonNegative = 5000
     # fixed: lower classes under contention keep their topic's `contended_in_engine`. slo: that
     # cap follows the higher classes' `slo_ms` (halved when an answer is late, grown while on time).
-    admission: Literal["fixed", "slo"] = "fixed"
+    # step: it follows the engine's measured step time, so the busy class's steps stay within
+    # `step_stretch` times what its own tokens cost (worker/step_budget.py).
+    admission: Literal["fixed", "slo", "step"] = "fixed"
+    step_stretch: Annotated[float, Meta(gt=1.0, le=10.0)] = 1.2
     drain_grace_s: Annotated[float, Meta(ge=0)] = 30.0
     # The rest of a shutdown (final commit, client and engine stops) gets this long after the drain
     # grace; past it `sluice worker` exits 1 without finishing, so a hung step cannot keep up a

@@ -112,13 +112,17 @@ class Worker:
         # one queue and admission policy per class: its shared topic's (tenant-dedicated topics join it)
         self.scheduler = Scheduler([class_policy(catalog.request_topic(c)) for c in dict.fromkeys(
                                     t.latency_class for t in catalog.requests)], settings.engine.max_num_seqs,
-                                   settings.worker.contention_hold_ms, settings.worker.admission)
+                                   settings.worker.contention_hold_ms, settings.worker.admission,
+                                   settings.worker.step_stretch)
         self.dispatch = Dispatcher(self.scheduler, self.tracker, self.supervisor, self.liveness)
         self.runner = Runner(engine, self.emitter, self.answers, settings.limits, self.is_running,
                              settings.stream.chunk_tokens, settings.stream.chunk_ms, self.dispatch.release_slot,
                              Templates(settings.worker.templates_dir), replies=self.replies,
-                             on_progress=self.liveness.engine_moved, save_min_tokens=settings.kv.save_min_tokens)
+                             on_progress=self.dispatch.engine_output, save_min_tokens=settings.kv.save_min_tokens)
         self.dispatch.runner, self.dispatch.replies = self.runner, self.replies
+        if self.scheduler.step_budget is not None and hasattr(engine, "watch_steps"):
+            engine.watch_steps(self.dispatch.engine_step)  # vLLM reports each step: exact tokens and times
+            self.dispatch.steps_reported = True
         self.intake = Intake(self.consumer, RequestCodec(settings.limits), self.tracker, self.dispatch, self.replies,
                              self.answers, self.liveness, catalog.replies.name, settings.kafka.fetch_max_wait_ms,
                              stopping=lambda: self.supervisor.stopping, redis_wait_s=settings.redis.lookup_wait_s,
@@ -199,6 +203,8 @@ class Worker:
             await asyncio.gather(*not_done, return_exceptions=True)
             if not_done:
                 log.warning("drain_timeout", abandoned=len(not_done))
+        if self.dispatch.steps_reported:
+            self.engine.watch_steps(None)  # the engine may outlive this worker (tests, benchmarks)
         # Requests still waiting were never started: left uncommitted, another worker reads them.
         for step in (self.commits.commit, self._stop_consumer, self._close_group_guard, self.emitter.stop,
                      self.answers.stop):

@@ -165,3 +165,43 @@ async def test_batch_progresses_under_a_realtime_stream(settings, catalog, engin
     assert all(isinstance(finals.get(i), DoneReply) for i in batch_ids)
     # Batch answers arrived while the realtime stream was still being published.
     assert batch_done and min(batch_done) < 40, batch_done
+
+
+async def test_step_admission_fits_the_engine_steps_and_caps_batch_from_them(settings, catalog, engine, group_id):
+    """Admission "step" on the real engine: vLLM reports every step, the worker fits the step time from
+    them, and batch's cap beside realtime comes from that fit; every request is still answered."""
+    reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
+    await reader.start()
+    batch_ids = [f"stb-{i}" for i in range(24)]
+    rt_ids = [f"str-{i}" for i in range(6)]
+    async with running_worker(settings, catalog, engine, group_id=group_id, admission="step") as w:
+        budget = w.scheduler.step_budget
+        assert w.dispatch.steps_reported  # from vLLM's step stats, not from the outputs' timing
+        await produce(settings.kafka.options(),
+                      [(catalog.request_topic("batch").name, i.encode(), _req(i, 64), []) for i in batch_ids])
+        end = time.monotonic() + 120  # about 65 steps; the model wants 30 spread over prefill and decode
+        while budget.model.fit() is None and time.monotonic() < end:
+            await asyncio.sleep(0.1)
+        fit = budget.model.fit()
+        assert fit is not None, (budget.clock.steps, budget.model.n)
+        fixed, per_token = fit
+        assert 0 < fixed < 10 and 0 < per_token < 1, fit
+        assert metrics.engine_step.labels("per_token")._value.get() > 0
+        caps = []
+
+        async def watch():
+            while True:  # batch's cap while realtime has work: set by the fit, within the class's bounds
+                caps.append(w.scheduler._cap("batch"))
+                await asyncio.sleep(0.05)
+
+        watcher = asyncio.create_task(watch())
+        await produce(settings.kafka.options(),
+                      [(catalog.request_topic("realtime").name, i.encode(), _req(i, 16), []) for i in rt_ids])
+        finals, _ = await _follow(reader, batch_ids + rt_ids, 400)
+        watcher.cancel()
+    await reader.stop()
+    assert all(isinstance(finals.get(i), DoneReply) for i in batch_ids + rt_ids), len(finals)
+    batch = catalog.request_topic("batch")
+    measured = [cap for cap, from_budget in caps if from_budget]
+    assert measured, caps[:20]
+    assert all(batch.min_in_engine <= cap <= batch.max_in_engine for cap in measured), measured
