@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import common, frontier, harness  # noqa: E402
 from loadgen.burst import ReplyReader, percentile, produce  # noqa: E402
 from schemas import DoneReply, ErrorReply, Request  # noqa: E402
+from worker import metrics  # noqa: E402
 from worker.engine import GenParams  # noqa: E402
 from worker.worker import Worker  # noqa: E402
 
@@ -90,6 +91,7 @@ class Window:
         self.rt: dict[str, float] = {}
         self.backlog_at: float | None = None
         self.start = time.monotonic()
+        self.extra: dict[str, float] = {}  # sluice loaded runs: batch's cap in force, the step fit
 
     def summary(self, args) -> dict:
         lat = list(self.rt.values())
@@ -103,6 +105,7 @@ class Window:
             span_end = self.backlog_at + (args.seconds - args.backlog_after)
             out["batch_tok_per_s"] = sum(n for t, b, n, _ in events if b and self.backlog_at <= t <= span_end) / (
                 span_end - self.backlog_at)
+        out.update(self.extra)
         out["step_ms"] = step_ms(events, self.start, end)
         if out["step_ms"] is not None:
             out["tokens_per_step"] = out["tokens_per_s"] * out["step_ms"] / 1000
@@ -161,7 +164,17 @@ async def sluice_run(s, eng, args, rt: bool, batch: bool, cap: int | None, slo_m
             await producer.send_and_wait(cat.request_topic("realtime").name, body(rid, i, args.rt_tokens),
                                          key=rid.encode())
 
+    caps: list[int] = []
+    suspended_before = metrics.suspended.labels("batch")._value.get()
+
+    async def watch_cap():  # batch's cap while realtime has work, once the backlog landed
+        while True:
+            await asyncio.sleep(0.1)
+            if w.backlog_at is not None and worker.scheduler.running("realtime") + worker.scheduler.waiting("realtime"):
+                caps.append(worker.scheduler.cap("batch"))
+
     tasks = [asyncio.create_task(publish())] + ([asyncio.create_task(backlog())] if batch else [])
+    watcher = asyncio.create_task(watch_cap())
     end = time.monotonic() + args.seconds
     try:
         while time.monotonic() < end or (len(w.rt) < n and time.monotonic() < end + args.timeout):
@@ -172,7 +185,15 @@ async def sluice_run(s, eng, args, rt: bool, batch: bool, cap: int | None, slo_m
                 if r.id in sent and r.id not in w.rt:
                     w.rt[r.id] = now - sent[r.id]
         await asyncio.gather(*tasks)
+        if rt and batch and caps:
+            w.extra["batch_cap"] = percentile(caps, 50)
+            w.extra["batch_suspended"] = metrics.suspended.labels("batch")._value.get() - suspended_before
+        fit = worker.scheduler.step_budget.model.fit() if worker.scheduler.step_budget is not None else None
+        if fit is not None:
+            w.extra["fit_fixed_ms"], w.extra["fit_per_token_ms"] = fit.fixed * 1000, fit.per_token * 1000
+            w.extra["fit_per_prompt_token_ms"] = fit.per_prompt_token * 1000
     finally:
+        watcher.cancel()
         await producer.stop()
         await reader.stop()
         await worker.stop(grace_s=0)
@@ -339,12 +360,17 @@ async def main(args) -> None:
         return (fmt.format(v["median"]) + " [" + fmt.format(v["min"]) + "-" + fmt.format(v["max"]) + "]") if v else "-"
 
     cols = ("rt_p50", "rt_p99", "batch_tok_per_s", "tokens_per_s", "step_ms", "tokens_per_step", "p99_ratio",
-            "batch_kept")
+            "batch_kept", "batch_cap", "batch_suspended")
     print(f"{'run':20s}" + "".join(f"{c:>22s}" for c in cols))
     for name, row in summary.items():
         print(f"{name:20s}" + "".join(f"{cell(row, c):>22s}" for c in cols))
     model = step_model(results, summary)
     print_model(model)
+    for name, row in summary.items():
+        if "fit_fixed_ms" in row:
+            print(f"{name}: the worker's own step fit at each run's end: {cell(row, 'fit_fixed_ms', '{:.1f}')} ms + "
+                  f"{cell(row, 'fit_per_token_ms', '{:.2f}')} ms per decoded token + "
+                  f"{cell(row, 'fit_per_prompt_token_ms', '{:.2f}')} ms per prompt token in the step")
     (OUT / "isolation.json").write_text(json.dumps({"args": vars(args), "summary": summary, "runs": results,
                                                     "model": model, "machine": common.machine(),
                                                     "date": common.today(), "rev": common.git_rev()}, indent=2))

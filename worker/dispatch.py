@@ -50,23 +50,24 @@ class Dispatcher:
             if not live:
                 del self._live[job.tenant]
 
-    def engine_output(self, tokens: int) -> None:
+    def engine_output(self, tokens: int, prompt_tokens: int = 0) -> None:
         """Every output a request gets: the engine moved (stall detector). Under admission "step", with
         an engine that does not report its steps, the outputs' bursts time them instead."""
         self.liveness.engine_moved()
         if not self.steps_reported:
-            self.engine_step(tokens)
+            self.engine_step(tokens, prompt_tokens)
 
-    def engine_step(self, tokens: int) -> None:
-        """One engine step (or burst of outputs) with its tokens: under admission "step" it feeds the
-        step model, and a new step may let the next lower-class request in."""
+    def engine_step(self, tokens: int, prompt_tokens: int = 0) -> None:
+        """One engine step (or burst of outputs) with its decoded and prefilled prompt tokens: under
+        admission "step" it feeds the step model, and a new step may let the next lower-class request in."""
         budget = self.scheduler.step_budget
-        if budget is None or not budget.clock.output(time.monotonic(), tokens):
+        if budget is None or not budget.clock.output(time.monotonic(), tokens, prompt_tokens):
             return
         fit = budget.model.fit()
         if fit is not None:
-            metrics.engine_step.labels("fixed").set(fit[0])
-            metrics.engine_step.labels("per_token").set(fit[1])
+            metrics.engine_step.labels("fixed").set(fit.fixed)
+            metrics.engine_step.labels("per_token").set(fit.per_token)
+            metrics.engine_step.labels("per_prompt_token").set(fit.per_prompt_token)
         if self.scheduler.waiting():
             self.wake.set()
 

@@ -243,7 +243,7 @@ class VllmEngine:
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
                 if iteration_stats is not None and engine._on_step is not None:
-                    engine._on_step(iteration_stats.num_generation_tokens + iteration_stats.num_prompt_tokens)
+                    engine._on_step(iteration_stats.num_generation_tokens, iteration_stats.num_prompt_tokens)
 
             def log_engine_initialized(self):
                 pass
@@ -251,7 +251,8 @@ class VllmEngine:
         return _StepLogger(vllm_config, engine_index)
 
     def watch_steps(self, listener) -> None:
-        """Call `listener(tokens)` for each engine step, with the tokens it computed (prompt and output)."""
+        """Call `listener(tokens, prompt_tokens)` for each engine step: the tokens it decoded, and the
+        prompt tokens of the requests whose first token it produced (their prefill)."""
         self._on_step = listener
 
     def prompt_ids(self, request: Request) -> list[int]:

@@ -60,7 +60,8 @@ admission_cap = Gauge("sluice_admission_cap", "Requests of the class the engine 
                       "or the engine's step time)",
                       ["class"], registry=REGISTRY)
 engine_step = Gauge("sluice_engine_step_seconds", "The engine's step time as admission \"step\" fits it: the fixed "
-                    "part and the part per token in the step (absent until fitted)", ["part"], registry=REGISTRY)
+                    "part, the part per decoded token and per prompt token in the step (absent until fitted)",
+                    ["part"], registry=REGISTRY)
 paused_partitions = Gauge("sluice_paused_partitions", "Partitions paused for backpressure", ["class"],
                           registry=REGISTRY)
 tokens_generated = Counter("sluice_tokens_generated_total", "Completion tokens", ["class"], registry=REGISTRY)

@@ -97,7 +97,8 @@ def _now_ms() -> int:
 class Runner:
     def __init__(self, engine: Engine, emitter: Emitter, answers: AnswerStore, limits: Limits, running,
                  chunk_tokens: int = 1, chunk_ms: int = 0, release_slot=lambda job: None,
-                 templates: Templates | None = None, replies: Replies | None = None, on_progress=lambda tokens: None,
+                 templates: Templates | None = None, replies: Replies | None = None,
+                 on_progress=lambda tokens, prompt_tokens: None,
                  save_min_tokens: int = 0):
         self.engine, self.emitter, self.answers, self.limits = engine, emitter, answers, limits
         self.save_min_tokens = save_min_tokens
@@ -105,7 +106,7 @@ class Runner:
         self.release_slot = release_slot  # the engine slot is free once generation ends
         self.replies = replies or Replies(emitter, answers, None, running)
         # called with the tokens of every engine output: the stall detector's clock, and the step clock
-        # of admission "step" (a segment's first output also carries its prefill)
+        # of admission "step" (a segment's first output also carries its prompt, prefilled)
         self.on_progress = on_progress
         self.chunk_tokens, self.chunk_s = chunk_tokens, chunk_ms / 1000
 
@@ -234,7 +235,7 @@ class Runner:
         last_tokens_at = None
         prefill = prefix_len
         async for delta in self.engine.generate(engine_id, job.prompt_ids + job.generated, params, job.priority):
-            self.on_progress(len(delta.token_ids) + prefill)
+            self.on_progress(len(delta.token_ids), prefill)
             prefill = 0
             if want_scores and job.scores is None:
                 job.scores = self._scores(job, delta.logprobs)

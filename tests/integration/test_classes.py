@@ -178,14 +178,16 @@ async def test_step_admission_fits_the_engine_steps_and_caps_batch_from_them(set
         budget = w.scheduler.step_budget
         assert w.dispatch.steps_reported  # from vLLM's step stats, not from the outputs' timing
         await produce(settings.kafka.options(),
-                      [(catalog.request_topic("batch").name, i.encode(), _req(i, 64), []) for i in batch_ids])
-        end = time.monotonic() + 120  # about 65 steps; the model wants 30 spread over prefill and decode
+                      [(catalog.request_topic("batch").name, i.encode(), _req(i, 16 + 24 * (k % 3)), [])
+                       for k, i in enumerate(batch_ids)])
+        # about 65 steps of 24, then 16, then 8 requests decoding: the model needs decoded tokens per step
+        # that vary to tell the fixed part from the part per token
+        end = time.monotonic() + 120
         while budget.model.fit() is None and time.monotonic() < end:
             await asyncio.sleep(0.1)
         fit = budget.model.fit()
         assert fit is not None, (budget.clock.steps, budget.model.n)
-        fixed, per_token = fit
-        assert 0 < fixed < 10 and 0 < per_token < 1, fit
+        assert 0 < fit.fixed < 10 and 0 < fit.per_token < 1 and 0 < fit.per_prompt_token < 1, fit
         assert metrics.engine_step.labels("per_token")._value.get() > 0
         caps = []
 
