@@ -70,6 +70,8 @@ MODEL_CASES = [
     ("no spread in decoded tokens: fixed and per token cannot be told apart, however many prompts",
      _samples(0.05, 0.004, [4] * 80, per_prompt=0.001, prompts=PREFILL), None),
     ("a step that shrinks with tokens is not a model", [(0.2 - 0.001 * t, t, 0) for t in [1, 50] * 40], None),
+    ("prompts that seem to cost less than nothing are priced like decoded tokens",
+     _samples(0.05, 0.004, DECODE, per_prompt=-0.0001, prompts=PREFILL), (0.05, 0.004, 0.004)),
 ]
 
 
