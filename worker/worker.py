@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
 
 import structlog
@@ -42,6 +43,18 @@ from worker.supervisor import Liveness, Supervisor, monitor
 from worker.tenancy import Tenancy
 
 log = structlog.get_logger("sluice.worker")
+
+
+def freeze_heap() -> None:
+    """Keep what start-up loaded out of the cyclic garbage collector's way.
+
+    The worker process holds torch, vLLM, transformers and the tokenizer: about 400,000 objects
+    that live as long as it does. Every full collection walked them all (about 0.2 s a time on
+    2 cores), and requests allocate enough to set one off every few seconds, in the middle of
+    someone's stream. Frozen after a collection, they are never walked again (bench/overhead.py).
+    """
+    gc.collect()
+    gc.freeze()
 # After the grace and the aborts, how long final replies already on their way may take.
 REVOKE_FINISH_S = 8.0
 
@@ -176,6 +189,7 @@ class Worker:
                     await stop()
             raise
         metrics.engine_up.set(1)
+        freeze_heap()
         sup = self.supervisor
         sup.watch("answer-writer", getattr(self.answers, "writer", None))
         sup.watch("producer", self.emitter.background_task())
@@ -212,6 +226,7 @@ class Worker:
                 await step()
             except Exception as exc:  # noqa: BLE001 - the rest of the shutdown still runs
                 log.warning("stop_step_failed", step=getattr(step, "__qualname__", str(step)), error=repr(exc))
+        gc.unfreeze()  # what lived at start may be garbage now (tests and benches start many workers)
         log.info("worker_stopped", failure=self.supervisor.failure)
 
     async def _stop_consumer(self) -> None:
