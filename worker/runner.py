@@ -25,6 +25,8 @@ from worker.emitter import Emitter
 from worker.engine import Engine, EngineDead, GenParams
 from worker.replies import Fenced, Replies
 
+_log = structlog.get_logger("sluice.runner")  # one proxy: a new one per request built a logger each time
+
 
 @dataclass
 class Job:
@@ -157,7 +159,7 @@ class Runner:
 
     async def _serve(self, job: Job) -> None:
         req = job.request
-        log = structlog.get_logger("sluice.runner").bind(
+        log = _log.bind(
             request_id=req.id, cls=job.latency_class, partition=getattr(job.tp, "partition", None), offset=job.offset)
         if job.engine_at is None:
             job.engine_at = time.time()
