@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import pstats
 import sys
 import time
@@ -121,9 +122,33 @@ async def bare_pipe(s, cat, n: int, replies_per_request: int) -> float:
         await producer.stop()
 
 
+class FullCollections:
+    """The garbage collector's full (oldest-generation) collections while it is open: how many, how long."""
+
+    def __init__(self):
+        self.count, self.seconds, self._began = 0, 0.0, 0.0
+
+    def _watch(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._began
+
+    def __enter__(self):
+        gc.callbacks.append(self._watch)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._watch)
+
+
 async def sluice_worker(s, cat, n: int, engine, profile: bool = False
-                        ) -> tuple[float, float, pstats.Stats | None, float]:
-    """(requests/s, reply records per request, profile, CPU seconds per request of this process)"""
+                        ) -> tuple[float, float, pstats.Stats | None, float, FullCollections]:
+    """(requests/s, reply records per request, profile, CPU seconds per request of this process,
+    the full collections in the timed window)"""
     group = f"ovh-{uuid.uuid4().hex[:6]}"
     fresh = s.override(group_id=group, redis_key_prefix=f"ovh-{uuid.uuid4().hex[:6]}")  # nothing answered yet
     worker = Worker(fresh, cat, engine)
@@ -140,11 +165,12 @@ async def sluice_worker(s, cat, n: int, engine, profile: bool = False
         if prof:
             prof.enable()
         cpu = time.process_time()
-        seconds = await until_committed(s, group, tps, n, "sluice worker", lambda: int(done() - before))
+        with FullCollections() as full:
+            seconds = await until_committed(s, group, tps, n, "sluice worker", lambda: int(done() - before))
         cpu = time.process_time() - cpu
         if prof:
             prof.disable()
-        return n / seconds, (replies() - replies_before) / n, (pstats.Stats(prof) if prof else None), cpu / n
+        return n / seconds, (replies() - replies_before) / n, (pstats.Stats(prof) if prof else None), cpu / n, full
     finally:
         await worker.stop()
 
@@ -185,22 +211,26 @@ async def main(args) -> None:
     for stream in (False, True):
         mode = "streaming" if stream else "non-streaming"
         rates = {"bare pipe": [], "sluice": []}
-        cpu_us = []
+        cpu_us, full_count, full_ms = [], [], []
         per_request = 1.0
         for rep, order in enumerate(harness.orders(["sluice", "bare pipe"], args.reps)):
             cat = await common.fresh_catalog(s, "ovh")
             await publish(s, cat.request_topic("standard").name, n, uuid.uuid4().hex[:6], stream, args.max_tokens)
             for arm in order:
                 if arm == "sluice":
-                    rate, per_request, _, cpu = await sluice_worker(s, cat, n, engine)
+                    rate, per_request, _, cpu, full = await sluice_worker(s, cat, n, engine)
                     cpu_us.append(cpu * 1e6)
+                    full_count.append(full.count)
+                    full_ms.append(1000 * full.seconds)
                 else:
                     rate = await bare_pipe(s, cat, n, max(1, round(per_request)))
                 rates[arm].append(rate)
         results[mode] = {"rates": {k: harness.spread(v) for k, v in rates.items()},
                          "ratio": harness.spread([a / b for a, b in zip(rates["sluice"], rates["bare pipe"])]),
                          "reply_records_per_request": per_request,
-                         "sluice_cpu_us_per_request": harness.spread(cpu_us)}
+                         "sluice_cpu_us_per_request": harness.spread(cpu_us),
+                         "full_collections": harness.spread(full_count),
+                         "full_collection_ms": harness.spread(full_ms)}
     print(f"\n{n} requests x {args.max_tokens} tokens, {args.token_ms} ms per token, real tokenizer, clock stopped at "
           f"the committed offsets, {args.reps} repetitions in rotated order, {args.loop}; {common.machine()}; "
           f"{common.today()}; rev {common.git_rev()}")
@@ -212,6 +242,9 @@ async def main(args) -> None:
         c = r["sluice_cpu_us_per_request"]
         print(f"  sluice process CPU {c['median']:.0f} us per request [{c['min']:.0f}-{c['max']:.0f}] "
               f"(5,000 req/s on one core would allow 200)")
+        fc, fm = r["full_collections"], r["full_collection_ms"]
+        print(f"  full garbage collections while timed: {fc['median']:.0f} [{fc['min']:.0f}-{fc['max']:.0f}], "
+              f"{fm['median']:.0f} ms in all [{fm['min']:.0f}-{fm['max']:.0f}]")
     out = Path(__file__).resolve().parent / "overhead.json"
     out.write_text(msgspec.json.format(msgspec.json.encode(
         {"args": vars(args), "results": results, "machine": common.machine(), "date": common.today(),
