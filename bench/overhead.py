@@ -123,10 +123,11 @@ async def bare_pipe(s, cat, n: int, replies_per_request: int) -> float:
 
 
 class FullCollections:
-    """The garbage collector's full (oldest-generation) collections while it is open: how many, how long."""
+    """The garbage collector's full (oldest-generation) collections while it is open: how many, how long
+    in all, and the longest (the event loop, and every stream on it, stands still for each)."""
 
     def __init__(self):
-        self.count, self.seconds, self._began = 0, 0.0, 0.0
+        self.count, self.seconds, self.longest, self._began = 0, 0.0, 0.0, 0.0
 
     def _watch(self, phase: str, info: dict) -> None:
         if info["generation"] != 2:
@@ -134,8 +135,10 @@ class FullCollections:
         if phase == "start":
             self._began = time.perf_counter()
         else:
+            took = time.perf_counter() - self._began
             self.count += 1
-            self.seconds += time.perf_counter() - self._began
+            self.seconds += took
+            self.longest = max(self.longest, took)
 
     def __enter__(self):
         gc.callbacks.append(self._watch)
@@ -211,7 +214,7 @@ async def main(args) -> None:
     for stream in (False, True):
         mode = "streaming" if stream else "non-streaming"
         rates = {"bare pipe": [], "sluice": []}
-        cpu_us, full_count, full_ms = [], [], []
+        cpu_us, full_count, full_ms, full_longest_ms = [], [], [], []
         per_request = 1.0
         for rep, order in enumerate(harness.orders(["sluice", "bare pipe"], args.reps)):
             cat = await common.fresh_catalog(s, "ovh")
@@ -222,6 +225,7 @@ async def main(args) -> None:
                     cpu_us.append(cpu * 1e6)
                     full_count.append(full.count)
                     full_ms.append(1000 * full.seconds)
+                    full_longest_ms.append(1000 * full.longest)
                 else:
                     rate = await bare_pipe(s, cat, n, max(1, round(per_request)))
                 rates[arm].append(rate)
@@ -230,7 +234,8 @@ async def main(args) -> None:
                          "reply_records_per_request": per_request,
                          "sluice_cpu_us_per_request": harness.spread(cpu_us),
                          "full_collections": harness.spread(full_count),
-                         "full_collection_ms": harness.spread(full_ms)}
+                         "full_collection_ms": harness.spread(full_ms),
+                         "longest_full_collection_ms": harness.spread(full_longest_ms)}
     print(f"\n{n} requests x {args.max_tokens} tokens, {args.token_ms} ms per token, real tokenizer, clock stopped at "
           f"the committed offsets, {args.reps} repetitions in rotated order, {args.loop}; {common.machine()}; "
           f"{common.today()}; rev {common.git_rev()}")
@@ -242,9 +247,10 @@ async def main(args) -> None:
         c = r["sluice_cpu_us_per_request"]
         print(f"  sluice process CPU {c['median']:.0f} us per request [{c['min']:.0f}-{c['max']:.0f}] "
               f"(5,000 req/s on one core would allow 200)")
-        fc, fm = r["full_collections"], r["full_collection_ms"]
+        fc, fm, fl = r["full_collections"], r["full_collection_ms"], r["longest_full_collection_ms"]
         print(f"  full garbage collections while timed: {fc['median']:.0f} [{fc['min']:.0f}-{fc['max']:.0f}], "
-              f"{fm['median']:.0f} ms in all [{fm['min']:.0f}-{fm['max']:.0f}]")
+              f"{fm['median']:.0f} ms in all [{fm['min']:.0f}-{fm['max']:.0f}], "
+              f"the longest {fl['median']:.1f} ms [{fl['min']:.1f}-{fl['max']:.1f}]")
     out = Path(__file__).resolve().parent / "overhead.json"
     out.write_text(msgspec.json.format(msgspec.json.encode(
         {"args": vars(args), "results": results, "machine": common.machine(), "date": common.today(),
