@@ -107,6 +107,10 @@ suspended = Counter("sluice_requests_suspended_total", "Running requests suspend
 commits = Counter("sluice_offset_commits_total", "Offset commits", ["result"], registry=REGISTRY)
 redis_up = Gauge("sluice_redis_up", "1 when Redis Cluster answers, 0 while degraded", registry=REGISTRY)
 engine_up = Gauge("sluice_engine_up", "1 while the engine serves", registry=REGISTRY)
+event_loop_lag = Histogram(
+    "sluice_event_loop_lag_seconds", "How late the worker's event loop woke its health monitor: while it is late, "
+    "no request of the worker moves (a long garbage collection, blocking work)",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=REGISTRY)
 
 # KV pages in Redis (reported by the engine's connector with each finished request)
 prefill_tokens = Counter("sluice_prefill_tokens_total",

@@ -103,8 +103,10 @@ async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emit
     """
     last_health = time.monotonic()
     while supervisor.failure is None:
+        asleep = time.monotonic()
         await asyncio.sleep(tick_s)
         now = time.monotonic()
+        metrics.event_loop_lag.observe(max(0.0, now - asleep - tick_s))
         if busy():
             if now - liveness.engine_progress > stall_s:
                 supervisor.fail(f"engine stalled: work waiting and no engine progress for "
