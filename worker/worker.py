@@ -44,19 +44,21 @@ from worker.tenancy import Tenancy
 
 log = structlog.get_logger("sluice.worker")
 
+# After the grace and the aborts, how long final replies already on their way may take.
+REVOKE_FINISH_S = 8.0
+
 
 def freeze_heap() -> None:
     """Keep what start-up loaded out of the cyclic garbage collector's way.
 
     The worker process holds torch, vLLM, transformers and the tokenizer: about 400,000 objects
-    that live as long as it does. Every full collection walked them all (about 0.2 s a time on
-    2 cores), and requests allocate enough to set one off every few seconds, in the middle of
-    someone's stream. Frozen after a collection, they are never walked again (bench/overhead.py).
+    that live as long as it does. Every full collection walked them all, a quarter of a second
+    each on 2 cores, and under load requests set one off every second or two, in the middle of
+    everyone's streams. Frozen after a collection, they are never walked again
+    (bench/RESULTS.md, overhead).
     """
     gc.collect()
     gc.freeze()
-# After the grace and the aborts, how long final replies already on their way may take.
-REVOKE_FINISH_S = 8.0
 
 
 def class_policy(topic: Topic) -> ClassPolicy:
