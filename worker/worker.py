@@ -43,7 +43,6 @@ from worker.supervisor import Liveness, Supervisor, monitor
 from worker.tenancy import Tenancy
 
 log = structlog.get_logger("sluice.worker")
-
 # After the grace and the aborts, how long final replies already on their way may take.
 REVOKE_FINISH_S = 8.0
 
