@@ -52,9 +52,9 @@ def freeze_heap() -> None:
 
     The worker process holds torch, vLLM, transformers and the tokenizer: about 400,000 objects
     that live as long as it does. Every full collection walked them all, a quarter of a second
-    each on 2 cores, and under load requests set one off every second or two, in the middle of
-    everyone's streams. Frozen after a collection, they are never walked again
-    (bench/RESULTS.md, overhead).
+    each on 2 cores, and at a thousand requests a second or more they set one off every second
+    or two, in the middle of everyone's streams. Frozen after a collection, they are never walked
+    again (bench/RESULTS.md, overhead).
     """
     gc.collect()
     gc.freeze()
