@@ -50,11 +50,10 @@ REVOKE_FINISH_S = 8.0
 def freeze_heap() -> None:
     """Keep what start-up loaded out of the cyclic garbage collector's way.
 
-    The worker process holds torch, vLLM, transformers and the tokenizer: about 400,000 objects
-    that live as long as it does. Every full collection walked them all, a quarter of a second
-    each on 2 cores, and at a thousand requests a second or more they set one off every second
-    or two, in the middle of everyone's streams. Frozen after a collection, they are never walked
-    again (bench/RESULTS.md, overhead).
+    The worker process holds torch, vLLM, transformers and the tokenizer for as long as it lives.
+    Every full collection walked them all while the event loop, and every stream on it, stood
+    still. Frozen after a collection, they are never walked again (what it cost and gained:
+    bench/RESULTS.md, overhead).
     """
     gc.collect()
     gc.freeze()
