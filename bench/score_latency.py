@@ -43,7 +43,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench import common, harness  # noqa: E402
-from loadgen.burst import percentile, produce  # noqa: E402
+from loadgen.burst import percentile  # noqa: E402
 from loadgen.events import transactions  # noqa: E402
 from schemas import DoneReply, ErrorReply  # noqa: E402
 
@@ -276,7 +276,7 @@ async def main(args) -> None:
          "max_score_difference": worst, "machine": common.machine(), "date": common.today(),
          "rev": common.git_rev()}, indent=2))
     print(f"wrote {OUT / 'score_latency.json'}")
-    print(f"median over reps of per-run p50, ms: " + ", ".join(
+    print("median over reps of per-run p50, ms: " + ", ".join(
         f"{n} {statistics.median(ms(r['latency_s'], 50) for r in rs):.1f}" for n, rs in runs.items()))
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 from typing import Annotated, Any, Literal
 
-import msgspec
 from msgspec import Meta, Struct
 
 CONTRACT_VERSION = 1

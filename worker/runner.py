@@ -204,7 +204,7 @@ class Runner:
         log.info("request_resumed", emitted_tokens=len(job.generated), next_seq=job.seq)
 
     async def _generate(self, job: Job, params: GenParams, log) -> DoneReply:
-        req, cls = job.request, job.latency_class
+        req = job.request
         job.segments += 1
         job.suspend.clear()
         engine_id = f"{req.id}@{getattr(job.tp, 'partition', 0)}:{job.offset}#{job.segments}"

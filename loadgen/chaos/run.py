@@ -16,7 +16,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 import topics
 from loadgen.chaos import faults as faults_mod
-from loadgen.chaos import fuzz, report, workload
+from loadgen.chaos import fuzz, workload
 from loadgen.chaos.audit import Audit, failed
 from loadgen.chaos.pool import Pool
 from schemas import DoneReply, ErrorReply, RequestCodec

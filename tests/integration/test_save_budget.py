@@ -12,7 +12,7 @@ from redis.cluster import RedisCluster
 
 from schemas import Request
 from tests.integration.test_kv_pages import PROMPT, page_keys, run, wait_stored
-from worker.engine import GenParams, resolve_dtype
+from worker.engine import resolve_dtype
 from worker.save_budget import MIB
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

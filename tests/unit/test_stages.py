@@ -346,7 +346,7 @@ async def test_a_record_read_during_a_redis_failover_waits_for_its_stored_answer
         mem.answers.available = True
         assert await until(mem.all_committed)
     finals = mem.finals()["f1"]
-    assert len(finals) == 2 and finals[0] == finals[1] and not finals[1].unchecked
+    assert len(finals) == 2 and finals[0] == finals[1] == first[0] and not finals[1].unchecked
     assert len([s for s in mem.engine.started if s.startswith("f1@")]) == 1
 
 
