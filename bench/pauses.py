@@ -14,7 +14,8 @@ Requests come from a separate process at `--rate` for `--seconds`, so the publis
 stop when the worker's process does. Latency is read afterwards off the records' own timestamps:
 the request's (set by the publisher) to its first token record's and to its `done`'s (set by the
 worker's producer), in milliseconds. Prints p50 / p99 / p99.9 / max per arm (median over the
-repetitions, [min-max]) and the full collections in the window; plots e2e latency over each
+repetitions, [min-max]), the full collections in the window and how many of the worker's health
+monitor ticks came more than 0.1 s late (`sluice_event_loop_lag_seconds`); plots e2e latency over each
 arm's last run (bench/pauses.png). A short run before them, not counted, takes the process's first
 calls (new topics' metadata, the tokenizer's first use).
 """
@@ -95,6 +96,13 @@ def summary(lat: dict) -> dict:
             "e2e_ms": {str(q): percentile(e2e, q) for q in QUANTILES}}
 
 
+def late_ticks() -> tuple[float, float]:
+    """(ticks, ticks later than 0.1 s) of the worker's health monitor so far (`sluice_event_loop_lag_seconds`)."""
+    count = metrics.REGISTRY.get_sample_value("sluice_event_loop_lag_seconds_count") or 0.0
+    quick = metrics.REGISTRY.get_sample_value("sluice_event_loop_lag_seconds_bucket", {"le": "0.1"}) or 0.0
+    return count, count - quick
+
+
 async def one_run(s, engine, arm: str, args) -> tuple[dict, FullCollections, dict]:
     cat = await common.fresh_catalog(s, "pau")
     topic = cat.request_topic("standard").name
@@ -113,8 +121,10 @@ async def one_run(s, engine, arm: str, args) -> tuple[dict, FullCollections, dic
         publisher = subprocess.Popen([sys.executable, __file__, "--publish", topic, str(args.rate), str(args.seconds),
                                       uuid.uuid4().hex[:6], str(args.max_tokens)])
         try:
+            ticks_before, late_before = late_ticks()
             with FullCollections() as full:
                 await until_committed(s, group, tps, n, f"{arm:6s}", lambda: int(done() - before))
+            ticks, late = late_ticks()
         finally:
             publisher.wait(60)
         if publisher.returncode:
@@ -122,7 +132,7 @@ async def one_run(s, engine, arm: str, args) -> tuple[dict, FullCollections, dic
     finally:
         await worker.stop()
     lat = latencies(await read_topic(s.kafka.options(), topic), await read_topic(s.kafka.options(), cat.replies.name))
-    return summary(lat), full, lat
+    return {**summary(lat), "monitor_ticks": ticks - ticks_before, "late_ticks": late - late_before}, full, lat
 
 
 def plot(last: dict[str, dict], path: Path, args) -> None:
@@ -170,6 +180,8 @@ async def main(args) -> None:
             row[what] = {q: harness.spread([r[what][q] for r in rs]) for q in map(str, QUANTILES)}
         for k in ("count", "ms", "longest_ms"):
             row[f"full_collections_{k}"] = harness.spread([r["full_collections"][k] for r in rs])
+        row["late_ticks"] = harness.spread([r["late_ticks"] for r in rs])
+        row["monitor_ticks"] = harness.spread([r["monitor_ticks"] for r in rs])
         out[arm] = row
         print(f"{arm}:")
         for what, name in (("ttft_ms", "first token"), ("e2e_ms", "done")):
@@ -179,6 +191,9 @@ async def main(args) -> None:
         fc, fm, fl = (row[f"full_collections_{k}"] for k in ("count", "ms", "longest_ms"))
         print(f"  full collections while timed: {fc['median']:.0f} [{fc['min']:.0f}-{fc['max']:.0f}], "
               f"{fm['median']:.0f} ms in all, the longest {fl['median']:.1f} ms [{fl['min']:.1f}-{fl['max']:.1f}]")
+        lt, mt = row["late_ticks"], row["monitor_ticks"]
+        print(f"  health monitor ticks later than 0.1 s (sluice_event_loop_lag_seconds): {lt['median']:.0f} "
+              f"[{lt['min']:.0f}-{lt['max']:.0f}] of {mt['median']:.0f}")
         if row["without_done"]:
             print(f"  requests without a done: {row['without_done']}")
     f, t = out["frozen"]["e2e_ms"], out["thawed"]["e2e_ms"]
