@@ -3,7 +3,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-
 from worker.worker import Worker
 
 
