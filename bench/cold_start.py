@@ -1,6 +1,6 @@
 """Worker cold start: engine construction to first token, first start and restart, per compile mode.
 
-    python bench/cold_start.py [--modes auto,graph-cache,eager] [--engine-starts forkserver,spawn] [--worker]
+    python bench/cold_start.py [--modes auto,graph-cache,eager] [--engine-starts inprocess,forkserver,spawn] [--worker]
     python bench/cold_start.py --modes graph-cache --engine-starts forkserver,spawn --alternate 3
 
 For each `SLUICE_COMPILE_MODE`, two engine starts in fresh processes with one compile cache
@@ -9,8 +9,8 @@ what the first one cached. Each start is timed from the process's start to the e
 one-token generation, and its log is searched for whether vLLM loaded its compile cache or
 compiled again because its cache failed to load (and why). Then one short greedy generation per mode is compared with the
 `auto` mode's, so a mode that changes outputs is caught. With more than one `--engine-starts`
-(`SLUICE_ENGINE_START`: the engine core forked from a preloaded forkserver, or spawned as vLLM
-does) every compile mode is measured with each, each pair with its own empty cache. `--worker` also times what an operator
+(`SLUICE_ENGINE_START`: the engine core forked from a preloaded forkserver, running the model
+itself or spawning its model runner, or spawned as vLLM does) every compile mode is measured with each, each pair with its own empty cache. `--worker` also times what an operator
 waits for: a whole `sluice worker` process (settings, preflight, engine, warm-up, consumer group)
 from its start to `/readyz` answering 200, first start and restart, with the same cache.
 Writes bench/cold_start.json.
@@ -61,7 +61,7 @@ asyncio.run(main())
 """
 
 
-def start(mode: str, cache: Path, n: int = 0, tokens: int = 0, engine_start: str = "forkserver") -> dict:
+def start(mode: str, cache: Path, n: int = 0, tokens: int = 0, engine_start: str = "inprocess") -> dict:
     # vLLM's info level in every mode: it is where vLLM says it loaded its AOT compile cache
     env = {**os.environ, "SLUICE_COMPILE_MODE": mode, "SLUICE_ENGINE_START": engine_start, "VLLM_CACHE_ROOT": str(cache),
            "PYTHONPATH": str(OUT.parent), "VLLM_LOGGING_LEVEL": "INFO"}
@@ -77,12 +77,14 @@ def start(mode: str, cache: Path, n: int = 0, tokens: int = 0, engine_start: str
     again = re.search(r"Compiling model again due to a load failure.*reason: (.*)", log)
     cores = re.search(r"core ids=(\[[0-9, ]*\])", log)  # where vLLM's model runner computes (its own log)
     result["core_ids"] = cores.group(1) if cores else None
+    # vLLM's model runner logs as "(Worker pid=...)" in its own process; `inprocess` has none
+    result["runner_process"] = "(Worker pid=" in log
     result.update(recompiled_because=again.group(1)[:200] if again else None,
                   aot_loaded="Directly load AOT compilation" in log)
     return result
 
 
-def worker_start(mode: str, cache: Path, session_timeout_ms: int | None = None, engine_start: str = "forkserver") -> float:
+def worker_start(mode: str, cache: Path, session_timeout_ms: int | None = None, engine_start: str = "inprocess") -> float:
     """Seconds from a `sluice worker` process's start to its /readyz answering 200.
 
     The worker is ready once it holds its partitions; the embedded broker holds a new group's first
@@ -174,13 +176,20 @@ def main(args) -> None:
         same = r["first"]["text"] == reference == r["restart"]["text"]
         print(f"{mode}: greedy text {'equals' if same else 'DIFFERS from'} auto's")
     by_start = {how: [r for r in rows.values() if r["engine_start"] == how] for how in starts}
-    if args.worker and {"forkserver", "spawn"} <= set(starts):
-        for mode in args.modes.split(","):
-            fork, spawn = (next(r for r in by_start[h] if r["compile_mode"] == mode) for h in ("forkserver", "spawn"))
-            f, s_ = sorted(fork["worker_ready_s"]), sorted(spawn["worker_ready_s"])
-            print(f"{mode}: worker ready, forkserver / spawn: {sum(f) / len(f):.1f} s / {sum(s_) / len(s_):.1f} s "
-                  f"= {sum(f) / sum(s_):.2f}; engine restart {fork['restart']['ready_s']:.1f} s / "
-                  f"{spawn['restart']['ready_s']:.1f} s")
+    for how, rs in by_start.items():
+        print(f"{how}: the model ran in " + ", ".join(sorted({"a spawned runner process" if r[k]["runner_process"]
+                                                             else "the engine core" for r in rs
+                                                             for k in ("first", "restart")})))
+    if args.worker and len(starts) >= 2:  # each start method against the last one listed
+        base = starts[-1]
+        for how in starts[:-1]:
+            for mode in args.modes.split(","):
+                a, b = (next(r for r in by_start[h] if r["compile_mode"] == mode) for h in (how, base))
+                f, s_ = a["worker_ready_s"], b["worker_ready_s"]
+                print(f"{mode}: worker ready, {how} / {base}: {sum(f) / len(f):.1f} s / {sum(s_) / len(s_):.1f} s "
+                      f"= {sum(f) / sum(s_):.2f}; engine restart {a['restart']['ready_s']:.1f} s / "
+                      f"{b['restart']['ready_s']:.1f} s; decoding after it "
+                      f"{a['restart'].get('decode_tok_s', float('nan')) / b['restart'].get('decode_tok_s', float('nan')):.2f}")
     (OUT / "cold_start.json").write_text(json.dumps({"rows": rows, "session_timeout_ms": args.session_timeout_ms,
                                                     "machine": common.machine(),
                                                     "date": common.today(), "rev": common.git_rev()}, indent=2))
@@ -190,8 +199,9 @@ def main(args) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="auto,graph-cache,eager")
-    p.add_argument("--engine-starts", default="forkserver",
-                   help="SLUICE_ENGINE_START values to measure each mode with (forkserver,spawn: both)")
+    p.add_argument("--engine-starts", default="inprocess",
+                   help="SLUICE_ENGINE_START values to measure each mode with (inprocess,forkserver,spawn: all; "
+                        "with --worker each is set against the last one listed)")
     p.add_argument("--decode-requests", type=int, default=32,
                    help="after each restart, time this many requests decoded at once (0: skip)")
     p.add_argument("--decode-tokens", type=int, default=64)

@@ -176,7 +176,10 @@ def bench_engine_settings(args, **extra):
     """The engine settings of every arm, from the bench's arguments (one place for all of them)."""
     env = {"SLUICE_MAX_NUM_SEQS": str(args.max_num_seqs), "SLUICE_MAX_MODEL_LEN": str(args.max_model_len),
            "SLUICE_CPU_KVCACHE_GIB": str(args.kv_gib), "SLUICE_MODEL": args.model,
-           "SLUICE_MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens), **extra}
+           "SLUICE_MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens),
+           # vLLM's own arms run its multiprocess executor, a spawned model runner: sluice's arms run the same,
+           # not the worker's default one-process engine core (`inprocess`), whose steps differ
+           "SLUICE_ENGINE_START": "forkserver", **extra}
     return load(environ={**os.environ, **env}), env
 
 

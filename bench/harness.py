@@ -23,7 +23,7 @@ ARM_ENGINE = "ARM-ENGINE "
 # arms with and without KV pages differ in it on purpose (the binding check still covers the
 # core reservation vLLM makes for a connector).
 COMPARED = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "chunked_prefill",
-            "scheduling_policy", "prefix_caching", "block_size", "kv_cache_dtype", "enforce_eager",
+            "scheduling_policy", "prefix_caching", "block_size", "kv_cache_dtype", "enforce_eager", "executor",
             "kv_cache_tokens", "core_ids")
 
 

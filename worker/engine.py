@@ -94,11 +94,13 @@ def describe_config(vllm_config) -> dict:
     """The engine configuration vLLM resolved (after its defaults for the device), as plain data:
     logged at start-up, and what benchmark arms compare before their ratios mean anything."""
     model, sched, cache = vllm_config.model_config, vllm_config.scheduler_config, vllm_config.cache_config
+    executor = vllm_config.parallel_config.distributed_executor_backend  # "mp", or a class (`inprocess`)
     return {"dtype": str(model.dtype).removeprefix("torch."), "max_model_len": model.max_model_len,
             "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
             "chunked_prefill": bool(sched.enable_chunked_prefill), "scheduling_policy": str(sched.policy),
             "prefix_caching": bool(cache.enable_prefix_caching), "block_size": cache.block_size,
             "kv_cache_dtype": str(cache.cache_dtype), "enforce_eager": bool(model.enforce_eager),
+            "executor": executor if isinstance(executor, str) or executor is None else executor.__name__,
             "kv_connector": (vllm_config.kv_transfer_config.kv_connector
                              if vllm_config.kv_transfer_config is not None else None)}
 
@@ -121,6 +123,31 @@ def model_fingerprint(model: str, dtype: str, kv_cache_dtype: str = "auto") -> s
     if not (root / "config.json").is_file():
         h.update(model.encode())  # a hub id: the name is all we have
     return h.hexdigest()[:32]
+
+
+def _run_model_in_engine_core(vllm_config, forkserver_env: dict[str, str]) -> None:
+    """`SLUICE_ENGINE_START=inprocess`: the engine core, forked from a forkserver that started with
+    `forkserver_env`, runs the model itself (vLLM's one-process executor) when that is the binding
+    and preload vLLM would give its model runner; otherwise the runner starts vLLM's way."""
+    import structlog
+
+    from worker import engine_fork, omp_binding
+
+    log = structlog.get_logger("sluice.engine")
+    wanted = omp_binding.expected(vllm_config)
+    if wanted != forkserver_env:
+        # the engine core must not keep the forkserver's binding while its runner computes elsewhere
+        engine_fork.ENGINE_CORE_AFFINITY.update(os.sched_getaffinity(0))
+        log.warning("model_runner_spawned", reason="the OpenMP binding vLLM chose differs from the predicted one",
+                    predicted=forkserver_env, chosen=wanted)
+        return
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    # a class, not "uni": vLLM's CPU platform turns "uni" into "mp" because it cannot set OpenMP up
+    # in a running process; here the process started with it
+    vllm_config.parallel_config.distributed_executor_backend = UniProcExecutor
+    engine_fork.ENGINE_CORE_ENV.update({k: v for k, v in forkserver_env.items() if k in omp_binding.OMP_KEYS})
+    log.info("model_runner_in_engine_core", binding={k: v for k, v in forkserver_env.items() if k != "LD_PRELOAD"})
 
 
 class DeviceUnavailable(RuntimeError):
@@ -191,10 +218,14 @@ class VllmEngine:
             # Read by vLLM's CPU worker when the engine core starts.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kvcache_gib))
         os.environ.update(compile_env(config))  # read by vLLM in this process and the engine core it starts
-        if self.device == "cpu" and config.engine_start == "forkserver":
-            from worker import engine_fork
+        inprocess_env = None  # the binding the forkserver starts with, when the engine core is to run the model
+        if self.device == "cpu" and config.engine_start in ("inprocess", "forkserver"):
+            from worker import engine_fork, omp_binding
 
-            engine_fork.start_forkserver()
+            if config.engine_start == "inprocess" and config.tensor_parallel_size == config.pipeline_parallel_size == 1:
+                inprocess_env = omp_binding.predict(dict(os.environ), kv_connector=settings.kv.pages)
+            engine_fork.start_forkserver(engine_fork.PRELOAD_INPROCESS if inprocess_env else engine_fork.PRELOAD,
+                                         env=inprocess_env)
             engine_fork.use_forkserver_for_engine_core()
         from vllm import SamplingParams
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -214,6 +245,11 @@ class VllmEngine:
                                            kv_connector_extra_config=extra)
         self.kv_enabled = kv_transfer is not None
         args = AsyncEngineArgs(**engine_args(config, dtype), kv_transfer_config=kv_transfer)
+        from vllm.usage.usage_lib import UsageContext
+
+        vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        if inprocess_env is not None:
+            _run_model_in_engine_core(vllm_config, inprocess_env)
         self._guard = EngineGuard()
         self._guard.before()
         from vllm.v1.metrics.loggers import PrometheusStatLogger
@@ -222,7 +258,9 @@ class VllmEngine:
         # its periodic log lines stay off (disable_log_stats). `_StepLogger` hands each step's tokens
         # to admission "step" (`watch_steps`).
         self._on_step = None
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[PrometheusStatLogger, self._step_logger])
+        self._llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[PrometheusStatLogger, self._step_logger],
+                                              enable_log_requests=args.enable_log_requests,
+                                              disable_log_stats=args.disable_log_stats)
         self._guard.watch()  # a SIGKILLed worker must not leave the engine processes running
         self._tokenizer = self._llm.get_tokenizer()
         if getattr(self._tokenizer, "chat_template", None):

@@ -182,9 +182,12 @@ class EngineSettings(_Section):
     # `eager` skips compilation (fast start, slower steps). See bench/cold_start.py.
     compile_mode: Literal["auto", "graph-cache", "eager"] = "graph-cache"
     # How vLLM's engine-core process starts on CPU: `forkserver` forks it from a process that imported
-    # vLLM while the worker configured it (worker/engine_fork.py), about 8 s sooner on 2 cores;
-    # `spawn` is vLLM's own way, a fresh interpreter. GPU and NPU engines always start vLLM's way.
-    engine_start: Literal["forkserver", "spawn"] = "forkserver"
+    # vLLM while the worker configured it (worker/engine_fork.py), about 8 s sooner on 2 cores, and it
+    # spawns its model runner as vLLM does; `inprocess` also starts that forkserver with the OpenMP
+    # binding vLLM would give the runner, and the engine core runs the model itself, about 8 s
+    # sooner again (it falls back to `forkserver`, logged, where the binding cannot be worked out
+    # ahead); `spawn` is vLLM's own way, fresh interpreters. GPU and NPU engines start vLLM's way.
+    engine_start: Literal["inprocess", "forkserver", "spawn"] = "inprocess"
     # Benchmarks only: every request generates its max_tokens, as vLLM's `ignore_eos`, so arms that are
     # compared do the same work. Never in production: answers would run past their end.
     ignore_eos: bool = False

@@ -1,4 +1,5 @@
-"""The real engine's start on CPU: its engine core forked from sluice's forkserver (worker/engine_fork.py)."""
+"""The real engine's start on CPU: its engine core forked from sluice's forkserver (worker/engine_fork.py),
+running the model itself with the OpenMP binding vLLM would give a model runner (worker/omp_binding.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 
 import pytest
 
-from worker import engine_guard
+from worker import engine_guard, omp_binding
 from worker.engine import GenParams
 
 pytestmark = pytest.mark.integration
@@ -20,18 +21,33 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-async def test_engine_core_is_forked_from_the_forkserver_and_serves(engine):
-    if engine.device != "cpu" or engine.config.engine_start != "forkserver":
-        pytest.fail(f"this test needs the CPU engine with SLUICE_ENGINE_START=forkserver, not "
+def _environ(pid: int) -> dict[str, str]:
+    """The environment a process started with (what its loader and libgomp read)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {k.decode(): v.decode() for k, v in pairs}
+
+
+async def test_engine_core_is_forked_from_the_forkserver_and_runs_the_model_itself(engine):
+    if engine.device != "cpu" or engine.config.engine_start != "inprocess":
+        pytest.fail(f"this test needs the CPU engine with SLUICE_ENGINE_START=inprocess (the default), not "
                     f"{engine.device}/{engine.config.engine_start}")
+    assert engine.resolved["executor"] == "UniProcExecutor"
     parent_of = engine_guard.parents()
     servers = [p for p, pp in parent_of.items() if pp == os.getpid() and b"multiprocessing.forkserver" in _cmdline(p)]
     assert len(servers) == 1, "no forkserver under this process"
     cores = [p for p, pp in parent_of.items() if pp == servers[0]]
-    assert cores, "no engine core forked by the forkserver"
-    runners = [p for p, pp in parent_of.items() if pp in cores]
-    assert runners, "the engine core started no model runner"
+    assert len(cores) == 1, f"expected one engine core forked by the forkserver, found {cores}"
+    assert not [p for p, pp in parent_of.items() if pp == cores[0]], "the engine core started a model runner"
+    # the forkserver, and so the engine core forked from it, started with the binding vLLM chose
+    started_with = _environ(servers[0])
+    wanted = omp_binding.expected(engine._llm.vllm_config)
+    assert {k: started_with.get(k, "") for k in wanted} == wanted
+    assert "libgomp" in started_with["LD_PRELOAD"]
+    # libgomp bound the engine core's threads to the first of those cores, as in vLLM's own runner
+    first = int(wanted["GOMP_CPU_AFFINITY"].split()[0])
+    assert os.sched_getaffinity(cores[0]) == {first}
     text = []
     async for d in engine.generate("fork-1", engine._tokenizer.encode("The capital of France is"), GenParams(8), 0):
         text.append(d.text)
-    assert "".join(text).strip(), "the forked engine core generated nothing"
+    assert "".join(text).strip(), "the engine core generated nothing"
