@@ -145,8 +145,12 @@ def predict(env: dict[str, str], kv_connector: bool, cpus: list[LogicalCpu] | No
         reserve = 1 + (1 if kv_connector else 0)
         if env.get("VLLM_CPU_NUM_OF_RESERVED_CPU") is not None:
             reserve = int(env["VLLM_CPU_NUM_OF_RESERVED_CPU"] or 0)
-        cores = auto_cores(machine_cpus() if cpus is None else cpus,
-                           os.sched_getaffinity(0) if allowed is None else allowed,
+        if cpus is None:
+            try:
+                cpus = machine_cpus()
+            except (OSError, ValueError, KeyError, subprocess.SubprocessError):
+                return None  # no lscpu, or output this does not read: vLLM's runner is spawned its own way
+        cores = auto_cores(cpus, os.sched_getaffinity(0) if allowed is None else allowed,
                            memory_nodes(env) if nodes is None else nodes, reserve, arch)
     else:
         if "|" in bind:

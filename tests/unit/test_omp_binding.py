@@ -128,3 +128,13 @@ def test_the_engine_core_runs_the_model_only_when_the_bindings_agree(agree, monk
         assert describe_config(config)["executor"] == "mp"
         assert not engine_fork.ENGINE_CORE_ENV
         assert engine_fork.ENGINE_CORE_AFFINITY == os.sched_getaffinity(0)
+
+
+def test_no_prediction_without_lscpu(monkeypatch):
+    def missing():
+        raise FileNotFoundError("lscpu")
+
+    monkeypatch.setattr(omp_binding, "machine_cpus", missing)
+    assert omp_binding.predict({}, True, allowed={0, 1}, nodes=[0]) is None
+    # an explicit binding does not need the topology
+    assert omp_binding.predict({"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, True)["GOMP_CPU_AFFINITY"] == "0 1"
