@@ -186,6 +186,20 @@ def detect_device(requested: str) -> str:
     return "cpu"
 
 
+def amx_mla_cannot_take(model_config, amx=None) -> bool:
+    """A multi-head latent attention model in float32 on a CPU with AMX tiles: vLLM would pick its
+    AMX MLA backend, whose weight packing refuses float32 ("expect weight to be bfloat16, ...")."""
+    if not getattr(model_config, "use_mla", False) or str(model_config.dtype) != "torch.float32":
+        return False
+    if amx is None:
+        import platform
+
+        import torch
+
+        amx = platform.machine() == "x86_64" and torch.cpu._is_amx_tile_supported()
+    return amx
+
+
 def cpu_has_fast_bf16() -> bool:
     """bf16 matmuls are only fast on CPUs with AVX512-BF16 or AMX; elsewhere float32 is several times faster."""
     try:
@@ -248,6 +262,11 @@ class VllmEngine:
         from vllm.usage.usage_lib import UsageContext
 
         vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        if self.device == "cpu" and amx_mla_cannot_take(vllm_config.model_config):
+            # vLLM prefers its AMX MLA kernels where the CPU has AMX, and they take 16-bit weights only:
+            # a float32 MLA model would fail to load there, so it runs on vLLM's reference CPU MLA backend
+            args.attention_backend = "CPU_MLA"
+            vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
         if inprocess_env is not None:
             _run_model_in_engine_core(vllm_config, inprocess_env)
         self._guard = EngineGuard()

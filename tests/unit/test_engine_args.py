@@ -55,3 +55,17 @@ def test_every_argument_is_one_vllm_knows():
     known = {f.name for f in dataclasses.fields(arg_utils.AsyncEngineArgs)}
     a = args(quantization="awq", max_num_batched_tokens=4096)
     assert set(a) <= known, set(a) - known
+
+
+@pytest.mark.parametrize("use_mla, dtype, amx, reference", [
+    (True, "torch.float32", True, True),  # AMX MLA would refuse the float32 weights
+    (True, "torch.bfloat16", True, False),  # AMX MLA takes them
+    (True, "torch.float32", False, False),  # no AMX: vLLM picks the reference backend itself
+    (False, "torch.float32", True, False),  # not an MLA model
+])
+def test_a_float32_mla_model_on_an_amx_cpu_runs_on_the_reference_mla_backend(use_mla, dtype, amx, reference):
+    from types import SimpleNamespace
+
+    from worker.engine import amx_mla_cannot_take
+
+    assert amx_mla_cannot_take(SimpleNamespace(use_mla=use_mla, dtype=dtype), amx=amx) is reference
