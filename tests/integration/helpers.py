@@ -115,3 +115,12 @@ def delete_pages(settings) -> int:
         return len(keys)
     finally:
         client.close()
+
+
+def cmdline(pid: int) -> bytes:
+    """A process's command line as /proc holds it (NUL-separated), or b"" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""

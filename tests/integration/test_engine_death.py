@@ -16,19 +16,11 @@ import uuid
 
 import pytest
 
-from tests.integration.helpers import http_get, prefixed_topics_file
+from tests.integration.helpers import cmdline, http_get, prefixed_topics_file
 from tests.integration.kill_resume import start, wait_ready
 from worker import engine_guard
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 async def test_a_killed_engine_core_makes_the_worker_exit_1_naming_the_engine(settings, catalog, model_dir, tmp_path):
@@ -42,7 +34,7 @@ async def test_a_killed_engine_core_makes_the_worker_exit_1_naming_the_engine(se
     try:
         await wait_ready(proc, port, log_path)
         parent_of = engine_guard.parents()
-        servers = [p for p, pp in parent_of.items() if pp == proc.pid and b"multiprocessing.forkserver" in _cmdline(p)]
+        servers = [p for p, pp in parent_of.items() if pp == proc.pid and b"multiprocessing.forkserver" in cmdline(p)]
         cores = [p for p, pp in parent_of.items() if pp in servers]
         assert len(cores) == 1, f"expected one engine core under the worker's forkserver: {servers}, {cores}"
         assert not [p for p, pp in parent_of.items() if pp == cores[0]], "a model runner process was started"

@@ -7,18 +7,11 @@ import os
 
 import pytest
 
+from tests.integration.helpers import cmdline
 from worker import engine_guard, omp_binding
 from worker.engine import GenParams
 
 pytestmark = pytest.mark.integration
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -34,7 +27,7 @@ async def test_engine_core_is_forked_from_the_forkserver_and_runs_the_model_itse
                     f"{engine.device}/{engine.config.engine_start}")
     assert engine.resolved["executor"] == "UniProcExecutor"
     parent_of = engine_guard.parents()
-    servers = [p for p, pp in parent_of.items() if pp == os.getpid() and b"multiprocessing.forkserver" in _cmdline(p)]
+    servers = [p for p, pp in parent_of.items() if pp == os.getpid() and b"multiprocessing.forkserver" in cmdline(p)]
     assert len(servers) == 1, "no forkserver under this process"
     cores = [p for p, pp in parent_of.items() if pp == servers[0]]
     assert len(cores) == 1, f"expected one engine core forked by the forkserver, found {cores}"
