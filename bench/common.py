@@ -178,18 +178,49 @@ def bench_engine_settings(args, **extra):
            "SLUICE_CPU_KVCACHE_GIB": str(args.kv_gib), "SLUICE_MODEL": args.model,
            "SLUICE_MAX_NUM_BATCHED_TOKENS": str(args.max_num_batched_tokens),
            # vLLM's own arms run its multiprocess executor, a spawned model runner: sluice's arms run the same,
-           # not the worker's default one-process engine core (`inprocess`), whose steps differ
-           "SLUICE_ENGINE_START": "forkserver", **extra}
+           # not the worker's default one-process engine core, whose steps differ, unless a bench runs every
+           # arm in-process (`--engine-start inprocess`: `inprocess_vllm_arm`)
+           "SLUICE_ENGINE_START": getattr(args, "engine_start", "forkserver"), **extra}
     return load(environ={**os.environ, **env}), env
+
+
+INPROCESS_ARM_ENV = "SLUICE_BENCH_ENGINE_INPROCESS"
 
 
 def arm_env(args) -> dict:
     """Environment of a vLLM arm that is not a worker: the binding, KV cache and compile mode a worker's
-    engine gets from its settings (`worker.engine.compile_env`)."""
+    engine gets from its settings (`worker.engine.compile_env`), and whether it runs in-process."""
     from worker.engine import compile_env
 
     return {**os.environ, RESERVED_CPUS_ENV: str(args.reserved_cpus), "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib),
+            INPROCESS_ARM_ENV: "1" if getattr(args, "engine_start", "forkserver") == "inprocess" else "0",
             **compile_env(load(environ=dict(os.environ)).engine)}
+
+
+def inprocess_vllm_arm() -> dict[str, str] | None:
+    """In a vLLM arm of a bench run with `--engine-start inprocess`, before vLLM starts: the engine core
+    this process spawns is to run the model itself, as a sluice worker's does by default. Sets the
+    binding and preloads vLLM would give its model runner (`worker.omp_binding`) in this process's
+    environment, which the spawned engine core starts with, and returns them. None otherwise."""
+    if os.environ.get(INPROCESS_ARM_ENV) != "1":
+        return None
+    from worker import omp_binding
+
+    predicted = omp_binding.predict(dict(os.environ), kv_connector=False)
+    if predicted is None:
+        raise SystemExit("--engine-start inprocess: the model runner's binding cannot be worked out here")
+    os.environ.update(predicted)
+    return predicted
+
+
+def check_inprocess_vllm_arm(vllm_config, predicted: dict[str, str]) -> None:
+    """Stops the arm unless vLLM's own code chose the binding its engine core started with (and logs
+    vLLM's binding line, which the harness reads like any arm's)."""
+    from worker import omp_binding
+
+    wanted = omp_binding.expected(vllm_config)
+    if wanted != predicted:
+        raise SystemExit(f"--engine-start inprocess: vLLM chose {wanted}, the engine core started with {predicted}")
 
 
 def binding(log_text: str) -> str | None:

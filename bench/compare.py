@@ -89,7 +89,15 @@ def offline_child(args) -> None:
     from worker.engine import describe_config
 
     s, _ = common.bench_engine_settings(args)
-    llm = LLM(**engine_args(s.engine, resolve_dtype(s.engine.dtype, "cpu")))
+    inprocess = common.inprocess_vllm_arm()
+    extra = {}
+    if inprocess is not None:
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        extra["distributed_executor_backend"] = UniProcExecutor
+    llm = LLM(**engine_args(s.engine, resolve_dtype(s.engine.dtype, "cpu")), **extra)
+    if inprocess is not None:
+        common.check_inprocess_vllm_arm(llm.llm_engine.vllm_config, inprocess)
     print(harness.ARM_ENGINE + json.dumps(describe_config(llm.llm_engine.vllm_config)), flush=True)
     llm.generate(WARM_UP, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     print("READY", flush=True)
@@ -372,6 +380,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--burst-s", type=float, default=1.0,
                    help="seconds of unused budget that arm's bucket keeps (kv.save_burst_s); the arm is named @B+Ns")
     p.add_argument("--model", default=None, help="default: the bundled model")
+    p.add_argument("--engine-start", choices=("forkserver", "inprocess"), default="forkserver",
+                   help="every arm's engine: vLLM's multiprocess executor (a spawned model runner), or the "
+                        "engine core running the model itself (sluice's default on CPU); the same in every arm")
     p.add_argument("--fetch-max-wait-ms", type=int, default=None,
                    help="kafka.fetch_max_wait_ms of the sluice arms (default: the setting's); idle arms poll the "
                         "broker this often while the others run")
