@@ -122,7 +122,7 @@ def alternate(args) -> None:
         raise SystemExit(f"the starts computed on different cores ({bindings}): no comparison")
     print(f"\n{common.machine()}; {common.today()}; rev {common.git_rev()}; {mode}, {args.alternate} rounds in "
           f"alternating order, {args.decode_requests} requests x {args.decode_tokens} tokens at once after each restart; "
-          f"every start's model runner on cores {bindings.pop()} (read from its log)")
+          f"every start's model computed on cores {bindings.pop()} (read from its log)")
     for how, rs in samples.items():
         ready, tok = harness.spread([r["ready_s"] for r in rs]), harness.spread([r["decode_tok_s"] for r in rs])
         print(f"{how:11s} restart {ready['median']:5.1f} s [{ready['min']:.1f}-{ready['max']:.1f}]   decoding "

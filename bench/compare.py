@@ -1,6 +1,6 @@
 """sluice through Kafka vs. vLLM's own paths on the same engine, like with like, in one run.
 
-    python bench/compare.py [--requests 128] [--prompt-tokens 128] [--max-tokens 32] [--reps 3]
+    python bench/compare.py [--requests 128] [--prompt-tokens 128] [--max-tokens 32] [--reps 3] [--engine-start inprocess]
 
 Arms (each in its own process, started once and kept for every repetition):
 
@@ -14,7 +14,9 @@ Arms (each in its own process, started once and kept for every repetition):
              (`kv.save_budget_mib_s`); the pages it stored and skipped are read off its /metrics
 
 Every arm gets the same engine arguments (`worker.engine.engine_args` from one settings
-object), the same reserved CPUs (`--reserved-cpus`), `ignore_eos` (sluice: SLUICE_IGNORE_EOS)
+object), the same executor (`--engine-start`: vLLM's two processes, an engine core and its
+spawned model runner, or `inprocess`, the engine core running the model itself as a sluice
+worker's does by default on CPU), the same reserved CPUs (`--reserved-cpus`), `ignore_eos` (sluice: SLUICE_IGNORE_EOS)
 so every request generates exactly `--max-tokens`, and the same warm-up. Before any ratio is
 printed the script checks, from each arm's own log, the engine configuration vLLM resolved, the
 KV cache it sized and the cores it computes on (`bench/harness.py: check_alike`), and that every
