@@ -37,9 +37,11 @@ def kafka_producer(kafka_opts: dict, idempotence: bool, client_id: str, max_byte
     # Batches of up to 256 KiB rather than aiokafka's 16 KiB: under load a full batch makes every
     # send wait for the sender to drain it (bench/overhead.py), and fewer produce requests cost
     # the broker less.
-    return AIOKafkaProducer(**kafka_opts, client_id=f"{client_id}-producer", acks="all",
+    from worker.reply_batches import BatchingProducer
+
+    return BatchingProducer(AIOKafkaProducer(**kafka_opts, client_id=f"{client_id}-producer", acks="all",
                             enable_idempotence=idempotence, linger_ms=2, max_request_size=max_bytes,
-                            max_batch_size=min(max_bytes, 256 << 10), request_timeout_ms=request_timeout_ms)
+                            max_batch_size=min(max_bytes, 256 << 10), request_timeout_ms=request_timeout_ms))
 
 
 class Emitter:

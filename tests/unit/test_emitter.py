@@ -87,8 +87,8 @@ async def test_reply_batches_are_larger_than_aiokafkas_default_and_never_above_t
     big = kafka_producer({"bootstrap_servers": "localhost:1"}, False, "t", 4 << 20)
     small = kafka_producer({"bootstrap_servers": "localhost:1"}, False, "t", 100_000)
     try:
-        assert big._message_accumulator._batch_size == 256 << 10  # a full 16 KiB batch held every send under load
-        assert small._message_accumulator._batch_size == 100_000  # never above what one request may carry
+        assert big._inner._message_accumulator._batch_size == 256 << 10  # a full 16 KiB batch held every send under load
+        assert small._inner._message_accumulator._batch_size == 100_000  # never above what one request may carry
     finally:
         await big.stop()
         await small.stop()
