@@ -68,18 +68,23 @@ async def publish(s, topic: str, n: int, tag: str, stream: bool, max_tokens: int
         await produce(s.kafka.options(), items[k:k + 5000])
 
 
-async def until_committed(s, group: str, tps: list[TopicPartition], n: int, desc: str, progress) -> float:
-    """Seconds until `group` has committed offsets covering n records; `progress()` counts for the bar."""
+async def until_committed(s, group: str, tps: list[TopicPartition], n: int, desc: str, progress
+                          ) -> tuple[float, float]:
+    """Seconds until `group` has committed offsets covering n records, and until `progress()` (which
+    also counts for the bar) first reached n: the last answer, before the commit timer's tick."""
     probe = AIOKafkaConsumer(**s.kafka.options(), group_id=group, enable_auto_commit=False)
     await probe.start()
     start = time.perf_counter()
+    answered = None
     try:
         with tqdm(total=n, desc=desc, unit="req", mininterval=2) as bar:
             while True:
                 bar.n = min(n, progress())
                 bar.refresh()
+                if bar.n >= n and answered is None:
+                    answered = time.perf_counter() - start
                 if bar.n >= n and sum([(await probe.committed(tp)) or 0 for tp in tps]) >= n:
-                    return time.perf_counter() - start
+                    return time.perf_counter() - start, answered
                 await asyncio.sleep(0.02)
     finally:
         await probe.stop()
@@ -114,7 +119,7 @@ async def bare_pipe(s, cat, n: int, replies_per_request: int) -> float:
         while not consumer.assignment():
             await asyncio.sleep(0.01)
         tps = sorted(consumer.assignment())
-        return n / await until_committed(s, group, tps, n, "bare pipe", lambda: seen)
+        return n / (await until_committed(s, group, tps, n, "bare pipe", lambda: seen))[0]
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -149,9 +154,9 @@ class FullCollections:
 
 
 async def sluice_worker(s, cat, n: int, engine, profile: bool = False
-                        ) -> tuple[float, float, pstats.Stats | None, float, FullCollections]:
+                        ) -> tuple[float, float, pstats.Stats | None, float, FullCollections, float]:
     """(requests/s, reply records per request, profile, CPU seconds per request of this process,
-    the full collections in the timed window)"""
+    the full collections in the timed window, requests/s up to the last answer)"""
     group = f"ovh-{uuid.uuid4().hex[:6]}"
     fresh = s.override(group_id=group, redis_key_prefix=f"ovh-{uuid.uuid4().hex[:6]}")  # nothing answered yet
     worker = Worker(fresh, cat, engine)
@@ -169,11 +174,12 @@ async def sluice_worker(s, cat, n: int, engine, profile: bool = False
             prof.enable()
         cpu = time.process_time()
         with FullCollections() as full:
-            seconds = await until_committed(s, group, tps, n, "sluice worker", lambda: int(done() - before))
+            seconds, answered = await until_committed(s, group, tps, n, "sluice worker", lambda: int(done() - before))
         cpu = time.process_time() - cpu
         if prof:
             prof.disable()
-        return n / seconds, (replies() - replies_before) / n, (pstats.Stats(prof) if prof else None), cpu / n, full
+        return (n / seconds, (replies() - replies_before) / n, (pstats.Stats(prof) if prof else None), cpu / n, full,
+                n / answered)
     finally:
         await worker.stop()
 
@@ -214,14 +220,15 @@ async def main(args) -> None:
     for stream in (False, True):
         mode = "streaming" if stream else "non-streaming"
         rates = {"bare pipe": [], "sluice": []}
-        cpu_us, full_count, full_ms, full_longest_ms = [], [], [], []
+        cpu_us, full_count, full_ms, full_longest_ms, to_answer = [], [], [], [], []
         per_request = 1.0
         for rep, order in enumerate(harness.orders(["sluice", "bare pipe"], args.reps)):
             cat = await common.fresh_catalog(s, "ovh")
             await publish(s, cat.request_topic("standard").name, n, uuid.uuid4().hex[:6], stream, args.max_tokens)
             for arm in order:
                 if arm == "sluice":
-                    rate, per_request, _, cpu, full = await sluice_worker(s, cat, n, engine)
+                    rate, per_request, _, cpu, full, answered_rate = await sluice_worker(s, cat, n, engine)
+                    to_answer.append(answered_rate)
                     cpu_us.append(cpu * 1e6)
                     full_count.append(full.count)
                     full_ms.append(1000 * full.seconds)
@@ -233,6 +240,7 @@ async def main(args) -> None:
                          "ratio": harness.spread([a / b for a, b in zip(rates["sluice"], rates["bare pipe"])]),
                          "reply_records_per_request": per_request,
                          "sluice_cpu_us_per_request": harness.spread(cpu_us),
+                         "sluice_to_last_answer": harness.spread(to_answer),
                          "full_collections": harness.spread(full_count),
                          "full_collection_ms": harness.spread(full_ms),
                          "longest_full_collection_ms": harness.spread(full_longest_ms)}
@@ -244,6 +252,9 @@ async def main(args) -> None:
         for arm, v in r["rates"].items():
             print(f"  {arm:10s} {v['median']:8.0f} req/s  [{v['min']:.0f}-{v['max']:.0f}]")
         print(f"  sluice / bare pipe {r['ratio']['median']:.2f}  [{r['ratio']['min']:.2f}-{r['ratio']['max']:.2f}]")
+        a = r["sluice_to_last_answer"]
+        print(f"  sluice to the last answer {a['median']:.0f} req/s [{a['min']:.0f}-{a['max']:.0f}] (before the "
+              f"commit timer's next tick, every {s.group.commit_interval_ms} ms, which the rate above waits for)")
         c = r["sluice_cpu_us_per_request"]
         print(f"  sluice process CPU {c['median']:.0f} us per request [{c['min']:.0f}-{c['max']:.0f}] "
               f"(5,000 req/s on one core would allow 200)")
