@@ -12,7 +12,8 @@ Order: a partition's records reach aiokafka in the order `send` was called for t
 and one draining task per partition, one batch submitted at a time), and aiokafka keeps the
 order of a partition's batches. A record's future says whether its batch was delivered; each
 record has its own future, so a caller that is cancelled while waiting affects no other record.
-A partition whose leader is away holds only its own records.
+A partition whose leader is away holds only its own records, until `max_queued` records
+wait in all: then every `send` waits, as with aiokafka's own full buffer.
 """
 
 from __future__ import annotations
