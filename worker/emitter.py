@@ -136,10 +136,27 @@ class Emitter:
         metrics.reply_records.labels("error" if isinstance(reply, ErrorReply) else "done").inc()
         return payload
 
-    async def audit(self, topic: str, key: bytes | None, value: bytes, retry_until=None) -> None:
-        """An audit record, waited for like a final reply (its request's offset is committed after it)."""
-        await self._send_durably(topic, value, key, [(CONTENT_TYPE, JSON.encode())], retry_until)
+    async def audit(self, topic: str, key: bytes | None, value: bytes, retry_until=None,
+                    queued: asyncio.Future | None = None) -> None:
+        """An audit record, waited for like a final reply (its request's offset is committed after it).
+
+        `queued`: the delivery of the same record queued earlier (`queue_audit`), waited for as the
+        first attempt."""
+        await self._send_durably(topic, value, key, [(CONTENT_TYPE, JSON.encode())], retry_until, queued=queued)
         metrics.reply_records.labels("audit").inc()
+
+    async def queue_audit(self, topic: str, key: bytes | None, value: bytes) -> asyncio.Future | None:
+        """Queue an audit record without waiting (`audit(..., queued=)` waits for it later); None when
+        it could not be queued (then `audit` sends it anew).
+
+        A request's `done` and its audit record then leave in the same turn of the producer, without a
+        task of their own. A failure nobody waits for (the `done` failed first) is retrieved here."""
+        try:
+            fut = await self._producer.send(topic, value, key=key, headers=[(CONTENT_TYPE, JSON.encode())])
+        except KafkaError:
+            return None
+        fut.add_done_callback(_retrieve)
+        return fut
 
     async def dead_letter(self, record, code: str, message: str, retry_until=None) -> None:
         """The record's original bytes to the DLQ, cut to fit the broker's record limit if needed."""
@@ -148,7 +165,7 @@ class Emitter:
         await self._send_durably(self.dlq_topic, value, key, headers, retry_until)
         metrics.reply_records.labels("dlq").inc()
 
-    async def _send_durably(self, topic, value, key, headers, retry_until, attempts=None) -> None:
+    async def _send_durably(self, topic, value, key, headers, retry_until, attempts=None, queued=None) -> None:
         """Retriable errors are retried while `retry_until()` holds (at most `attempts` times), within the outage bound.
 
         On our own topics (`attempts` None) a delivery timeout counts as retriable: it is what a
@@ -160,7 +177,11 @@ class Emitter:
         while True:
             tries += 1
             try:
-                await self._producer.send_and_wait(topic, value, key=key, headers=headers)
+                if queued is not None:  # the first attempt, queued already
+                    queued, first = None, queued
+                    await first
+                else:
+                    await self._producer.send_and_wait(topic, value, key=key, headers=headers)
                 self.failing_since = None
                 return
             except KafkaError as exc:
@@ -177,6 +198,11 @@ class Emitter:
                 log.warning("produce_failed_retrying", topic=topic, error=repr(exc), retriable=exc.retriable)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _log_failure(fut: asyncio.Future) -> None:

@@ -26,24 +26,6 @@ class _Source:
         self.topic, self.partition, self.offset = topic, partition, offset
 
 
-async def _both(first, second) -> None:
-    """Run two sends at once; wait for both, then raise the first failure (none is left running).
-
-    The second runs as a task and the first in this one: one task per request's finish rather
-    than the two, and the gathering future, that `asyncio.gather` would make."""
-    other = asyncio.ensure_future(second)
-    try:
-        await first
-    except BaseException as exc:
-        if isinstance(exc, asyncio.CancelledError):
-            other.cancel()
-        await asyncio.wait([other])  # the first failure is raised once the other send has ended
-        if not other.cancelled():
-            other.exception()  # retrieved: the first failure is the one raised
-        raise
-    await other
-
-
 class Fenced(Exception):
     """Another attempt owns the request now (this worker was paused past its session timeout and
     the group gave the partition away): this attempt stops without sending anything more."""
@@ -62,11 +44,15 @@ class Replies:
         self.worker_name, self.model = worker_name, model
         self.charge = lambda tenant, tokens: None  # token-rate quotas (worker/quotas.py), set by the worker
 
-    async def _audit(self, cls: str, source, request_id: str | None, outcome: str, *, job=None, final=None,
-                     message: str | None = None, tenant: str | None = None) -> None:
+    async def _audit(self, cls: str, source, request_id: str | None, outcome: str, **fields) -> None:
         """The request's audit record, produced before its offset can be committed (no-op without an audit topic)."""
         if self.audit_topic is None:
             return
+        await self.emitter.audit(self.audit_topic, request_id.encode() if request_id else None,
+                                 self._audit_record(cls, source, request_id, outcome, **fields), self.running)
+
+    def _audit_record(self, cls: str, source, request_id: str | None, outcome: str, *, job=None, final=None,
+                      message: str | None = None, tenant: str | None = None) -> bytes:
         req = job.request if job is not None else None
         done = final if isinstance(final, DoneReply) else None
         content = self.audit_content and req is not None
@@ -85,8 +71,7 @@ class Replies:
             answered_ms=int(time.time() * 1000), resumed=bool(done and done.resumed),
             message=final.message if isinstance(final, ErrorReply) else message,
             prompt=prompt, text=done.text if content and done else None)
-        await self.emitter.audit(self.audit_topic, request_id.encode() if request_id else None,
-                                 audit_encoder.encode(record), self.running)
+        return audit_encoder.encode(record)
 
     @staticmethod
     def _source(job):
@@ -111,13 +96,15 @@ class Replies:
                 # not stored: a later attempt may answer this id again, so the reader is told
                 final = msgspec.structs.replace(final, unchecked=True)
         outcome = final.code.value if isinstance(final, ErrorReply) else final.finish_reason
-        # the reply and its audit record leave together: one produce round for both, both acknowledged
-        # before the offset can be committed
-        send = self.emitter.final(job.reply_to, final, self.running)
-        if self.audit_topic is None:
-            await send
-        else:
-            await _both(send, self._audit(cls, self._source(job), job.request.id, outcome, job=job, final=final))
+        # the reply and its audit record leave together (the audit record queued first, so one turn of
+        # the producer takes both), both acknowledged before the offset can be committed
+        audit = queued = None
+        if self.audit_topic is not None:
+            audit = self._audit_record(cls, self._source(job), job.request.id, outcome, job=job, final=final)
+            queued = await self.emitter.queue_audit(self.audit_topic, job.request.id.encode(), audit)
+        await self.emitter.final(job.reply_to, final, self.running)
+        if audit is not None:
+            await self.emitter.audit(self.audit_topic, job.request.id.encode(), audit, self.running, queued=queued)
         if isinstance(final, DoneReply):
             self.charge(job.tenant, final.usage.prompt_tokens + final.usage.completion_tokens)
         metrics.requests_completed.labels(cls, outcome).inc()
