@@ -4,7 +4,6 @@ and a `done`'s audit record, queued with it, is acknowledged before the offset i
 import asyncio
 
 import msgspec
-import pytest
 from aiokafka.errors import KafkaTimeoutError
 
 from schemas import DoneReply, TokenReply
