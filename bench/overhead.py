@@ -13,8 +13,12 @@ group, with the clock stopped when the group's committed offsets cover every rec
              commit) on an engine that tokenizes prompts with the bundled model's tokenizer,
              waits `--token-ms` per token and detokenizes what it emits (`TokenizingFakeEngine`)
 
-Prints requests/s per arm (median [min-max] over the repetitions) and the ratio; `--profile`
-adds the hottest functions of one extra profiled streaming run.
+The worker logs as a deployed one does (its configured level and format, info and JSON by default:
+a line per answered request) to bench/.overhead-worker.log.
+
+Prints requests/s per arm (median [min-max] over the repetitions) and the ratio, the rate up to the
+last answer (before the commit timer's next tick), the worker's CPU per request and its full
+garbage collections; `--profile` adds the hottest functions of one extra profiled streaming run.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import argparse
 import asyncio
 import cProfile
 import gc
+import os
 import pstats
 import sys
 import time
@@ -214,7 +219,12 @@ def components(stats: pstats.Stats) -> list[tuple[str, float]]:
 async def main(args) -> None:
     from transformers import AutoTokenizer
 
-    s = common.settings()
+    from worker.logs import configure
+
+    # the worker's own default level (the bench settings quiet everything else), or SLUICE_LOG_LEVEL
+    s = common.settings(SLUICE_LOG_LEVEL=os.environ.get("SLUICE_LOG_LEVEL", "info"))
+    worker_log = Path(__file__).resolve().parent / ".overhead-worker.log"
+    configure(s.ops.log_level, s.ops.log_format, file=worker_log.open("w", buffering=1))  # as `sluice worker`
     engine = TokenizingFakeEngine(AutoTokenizer.from_pretrained(s.engine.model), args.token_ms / 1000)
     n, results = args.requests, {}
     for stream in (False, True):
@@ -245,7 +255,8 @@ async def main(args) -> None:
                          "full_collection_ms": harness.spread(full_ms),
                          "longest_full_collection_ms": harness.spread(full_longest_ms)}
     print(f"\n{n} requests x {args.max_tokens} tokens, {args.token_ms} ms per token, real tokenizer, clock stopped at "
-          f"the committed offsets, {args.reps} repetitions in rotated order, {args.loop}; {common.machine()}; "
+          f"the committed offsets, {args.reps} repetitions in rotated order, {args.loop}, worker logs at "
+          f"{s.ops.log_level} ({s.ops.log_format}) to {worker_log.name}; {common.machine()}; "
           f"{common.today()}; rev {common.git_rev()}")
     for mode, r in results.items():
         print(f"{mode} ({r['reply_records_per_request']:.1f} reply records per request):")
@@ -264,7 +275,8 @@ async def main(args) -> None:
               f"the longest {fl['median']:.1f} ms [{fl['min']:.1f}-{fl['max']:.1f}]")
     out = Path(__file__).resolve().parent / "overhead.json"
     out.write_text(msgspec.json.format(msgspec.json.encode(
-        {"args": vars(args), "results": results, "machine": common.machine(), "date": common.today(),
+        {"args": vars(args), "results": results, "worker_log": {"level": s.ops.log_level, "format": s.ops.log_format},
+         "machine": common.machine(), "date": common.today(),
          "rev": common.git_rev()}), indent=2).decode())
     print(f"wrote {out}")
     if args.profile:
