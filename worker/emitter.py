@@ -34,14 +34,14 @@ def kafka_producer(kafka_opts: dict, idempotence: bool, client_id: str, max_byte
                    request_timeout_ms: int = 40000):
     from aiokafka import AIOKafkaProducer
 
+    from worker.reply_batches import BatchingProducer
+
     # Batches of up to 256 KiB rather than aiokafka's 16 KiB: under load a full batch makes every
     # send wait for the sender to drain it (bench/overhead.py), and fewer produce requests cost
     # the broker less.
-    from worker.reply_batches import BatchingProducer
-
-    return BatchingProducer(AIOKafkaProducer(**kafka_opts, client_id=f"{client_id}-producer", acks="all",
-                            enable_idempotence=idempotence, linger_ms=2, max_request_size=max_bytes,
-                            max_batch_size=min(max_bytes, 256 << 10), request_timeout_ms=request_timeout_ms))
+    return BatchingProducer(AIOKafkaProducer(
+        **kafka_opts, client_id=f"{client_id}-producer", acks="all", enable_idempotence=idempotence, linger_ms=2,
+        max_request_size=max_bytes, max_batch_size=min(max_bytes, 256 << 10), request_timeout_ms=request_timeout_ms))
 
 
 class Emitter:
@@ -142,7 +142,7 @@ class Emitter:
 
         `queued`: the delivery of the same record queued earlier (`queue_audit`), waited for as the
         first attempt."""
-        await self._send_durably(topic, value, key, [(CONTENT_TYPE, JSON.encode())], retry_until, queued=queued)
+        await self._send_durably(topic, value, key, _audit_headers(), retry_until, queued=queued)
         metrics.reply_records.labels("audit").inc()
 
     async def queue_audit(self, topic: str, key: bytes | None, value: bytes) -> asyncio.Future | None:
@@ -152,7 +152,7 @@ class Emitter:
         A request's `done` and its audit record then leave in the same turn of the producer, without a
         task of their own. A failure nobody waits for (the `done` failed first) is retrieved here."""
         try:
-            fut = await self._producer.send(topic, value, key=key, headers=[(CONTENT_TYPE, JSON.encode())])
+            fut = await self._producer.send(topic, value, key=key, headers=_audit_headers())
         except KafkaError:
             return None
         fut.add_done_callback(_retrieve)
@@ -198,6 +198,10 @@ class Emitter:
                 log.warning("produce_failed_retrying", topic=topic, error=repr(exc), retriable=exc.retriable)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+
+def _audit_headers() -> list[tuple[str, bytes]]:
+    return [(CONTENT_TYPE, JSON.encode())]
 
 
 def _retrieve(fut: asyncio.Future) -> None:
