@@ -216,13 +216,11 @@ class Scheduler:
                 self._busy_ms[p.name] = now_ms
         expired: list[tuple[str, Any]] = []
         for p in self.policies:
+            # the heap is ordered by deadline first: every passed deadline is at its top (a scan of the
+            # whole queue at each admission cost O(waiting) per request, O(backlog^2) for a backfill)
             queue = self._waiting[p.name]
-            if any(e.deadline_ms <= now_ms for e in queue):
-                keep = []
-                for e in queue:
-                    (expired.append((p.name, e.item)) if e.deadline_ms <= now_ms else keep.append(e))
-                heapq.heapify(keep)
-                self._waiting[p.name] = keep
+            while queue and queue[0].deadline_ms <= now_ms:
+                expired.append((p.name, heapq.heappop(queue).item))
         admitted: list[tuple[str, Any]] = []
         for p in self.policies:
             queue = self._waiting[p.name]

@@ -29,6 +29,10 @@ CASES = [
      ["n1", "n2"], []),
     ("expired never admitted", {}, [("realtime", "dead", 0, 999), ("realtime", "alive", 0, 5_000)], 16,
      ["alive"], ["dead"]),
+    ("every passed deadline expires, earliest first, none of the rest", {},
+     [("standard", "later", 0, 800), ("standard", "keep", 1, 1_001), ("standard", "first", 2, 100),
+      ("standard", "none", 3, None), ("standard", "edge", 4, 1_000)], 16, ["keep", "none"],
+     ["first", "later", "edge"]),
     ("engine total respected", {"standard": 3}, [("realtime", f"r{i}", i, None) for i in range(6)], 6,
      ["r0", "r1", "r2"], []),
     ("standard contended by realtime", {"realtime": 1}, [("standard", f"s{i}", i, None) for i in range(6)], 16,
@@ -185,3 +189,23 @@ def test_fixed_admission_ignores_latency():
     s.admit(0)
     s.observe("realtime", 9000, 100)
     assert s.slo_caps == {} and s.cap("batch") == BA.contended_in_engine
+
+
+def test_expiry_matches_a_scan_of_every_waiting_request():
+    """Only the heap's top is looked at for passed deadlines: the same requests expire as a scan of
+    the whole queue would find, with every later deadline still admitted in order, over random queues."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        s = sched(total=1)
+        waiting = [(f"r{i}", rng.randrange(100), rng.choice([None, rng.randrange(2_000)])) for i in range(30)]
+        for rid, arrived, deadline in waiting:
+            s.add("standard", rid, arrived, deadline)
+        now = rng.randrange(2_000)
+        expected = {rid for rid, _, deadline in waiting if deadline is not None and deadline <= now}
+        admitted, expired = s.admit(now_ms=now)
+        assert {item for _, item in expired} == expected
+        assert len(admitted) == (1 if len(expected) < len(waiting) else 0)
+        left = [e.item for e in sorted(s._waiting["standard"])]
+        assert not expected & ({item for _, item in admitted} | set(left))
