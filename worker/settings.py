@@ -257,6 +257,9 @@ class OpsSettings(_Section):
     metrics_host: str = "0.0.0.0"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "console"] = "json"
+    # net new container objects between two young garbage collections (Python's own default is 700);
+    # a worker reading ahead grows its heap by tens of objects per request (bench/RESULTS.md, overhead)
+    gc_young_threshold: Annotated[int, Meta(ge=100)] = 10_000
 
 
 class Settings(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

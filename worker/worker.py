@@ -47,16 +47,28 @@ log = structlog.get_logger("sluice.worker")
 REVOKE_FINISH_S = 8.0
 
 
-def freeze_heap() -> None:
-    """Keep what start-up loaded out of the cyclic garbage collector's way.
+def freeze_heap(young_threshold: int) -> tuple[int, int, int]:
+    """Keep what start-up loaded out of the cyclic garbage collector's way, and collect the young
+    generation less often; returns the collector's thresholds before, for `thaw_heap`.
 
     The worker process holds torch, vLLM, transformers and the tokenizer for as long as it lives.
     Every full collection walked them all while the event loop, and every stream on it, stood
-    still. Frozen after a collection, they are never walked again (what it cost and gained:
-    bench/RESULTS.md, overhead).
+    still. Frozen after a collection, they are never walked again. Requests read ahead and waiting
+    grow the heap by tens of objects each, so at Python's default of 700 a young collection ran
+    every few dozen requests, and its survivors were walked again in the middle generation
+    (what each cost and gained: bench/RESULTS.md, overhead).
     """
+    before = gc.get_threshold()
     gc.collect()
     gc.freeze()
+    gc.set_threshold(young_threshold, *before[1:])
+    return before
+
+
+def thaw_heap(thresholds: tuple[int, int, int]) -> None:
+    """Undo `freeze_heap`: what lived at start may be garbage now (tests and benches start many workers)."""
+    gc.unfreeze()
+    gc.set_threshold(*thresholds)
 
 
 def class_policy(topic: Topic) -> ClassPolicy:
@@ -117,6 +129,7 @@ class Worker:
         self.emitter = Emitter(producer, catalog.dlq.name, default_reply_topic=catalog.replies.name,
                                outage_s=settings.health.reply_outage_s, max_record_bytes=settings.worker.max_produce_bytes)
         self._stopping = asyncio.Event()
+        self._gc_thresholds: tuple[int, int, int] | None = None  # the collector's, before start (freeze_heap)
         audit = catalog.audit
         self.replies = Replies(self.emitter, self.answers, catalog.replies.name, self.is_running,
                                audit_topic=audit.name if audit is not None else None,
@@ -189,7 +202,7 @@ class Worker:
                     await stop()
             raise
         metrics.engine_up.set(1)
-        freeze_heap()
+        self._gc_thresholds = freeze_heap(s.ops.gc_young_threshold)
         sup = self.supervisor
         sup.watch("answer-writer", getattr(self.answers, "writer", None))
         sup.watch("producer", self.emitter.background_task())
@@ -226,7 +239,9 @@ class Worker:
                 await step()
             except Exception as exc:  # noqa: BLE001 - the rest of the shutdown still runs
                 log.warning("stop_step_failed", step=getattr(step, "__qualname__", str(step)), error=repr(exc))
-        gc.unfreeze()  # what lived at start may be garbage now (tests and benches start many workers)
+        if self._gc_thresholds is not None:
+            thaw_heap(self._gc_thresholds)
+            self._gc_thresholds = None
         log.info("worker_stopped", failure=self.supervisor.failure)
 
     async def _stop_consumer(self) -> None:
