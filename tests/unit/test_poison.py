@@ -181,3 +181,19 @@ async def test_an_unparseable_record_loses_nothing_read_in_the_same_fetch():
     assert sorted(finals) == sorted(r.key.decode() for tp in tps for r in mem.broker.logs[tp][:-1])
     assert all(len(v) == 1 for v in finals.values())
     assert mem.dead_letter_sources() == {(topic, tp.partition, len(mem.broker.logs[tp]) - 1) for tp in tps}
+
+
+async def test_a_request_that_fails_in_the_engine_is_logged_with_its_id_class_and_coordinates():
+    from structlog.testing import capture_logs
+
+    mem = Memory(partitions=1, engine=BoomEngine())
+    mem.send("standard", J({"id": "ok1", "prompt": "fine", "max_tokens": 2}), b"ok1")
+    mem.send("standard", J({"id": "boom1", "prompt": "BOOM"}), b"boom1")
+    with capture_logs() as lines:
+        async with running(mem):
+            assert await until(mem.all_committed)
+    failed = [line for line in lines if line["event"] == "request_failed"]
+    assert len(failed) == 1, failed
+    assert failed[0]["request_id"] == "boom1" and failed[0]["cls"] == "standard"
+    assert (failed[0]["partition"], failed[0]["offset"]) == (0, 1)
+    assert failed[0]["log_level"] == "error" and failed[0].get("exc_info")
