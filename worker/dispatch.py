@@ -86,7 +86,7 @@ class Dispatcher:
             if admitted:
                 self.liveness.engine_moved()  # admission is progress too: the stall clock restarts
             for cls, job in expired:
-                self.spawn(self.replies.expire(job), cls, job.tp, job.offset, job=job)
+                self.spawn(self.runner.expire(job), cls, job.tp, job.offset, job=job)
             for cls, job in admitted:
                 job.slot_released = False
                 task = self.spawn(self.runner.serve(job), cls, job.tp, job.offset, job=job)

@@ -103,6 +103,10 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def _passed(request: Request) -> bool:
+    return request.deadline_ms is not None and _now_ms() >= request.deadline_ms
+
+
 class Runner:
     def __init__(self, engine: Engine, emitter: Emitter, answers: AnswerStore, limits: Limits, running,
                  chunk_tokens: int = 1, chunk_ms: int = 0, release_slot=lambda job: None,
@@ -170,7 +174,7 @@ class Runner:
             job.engine_at = time.time()
         try:
             if job.segments == 0:
-                if req.deadline_ms is not None and _now_ms() >= req.deadline_ms:
+                if job.progress is None and _passed(req):
                     raise Rejected(ErrorCode.DEADLINE_EXCEEDED,
                                    f"deadline {req.deadline_ms} passed before the request ran")
                 if req.kind == "score":
@@ -179,7 +183,10 @@ class Runner:
                     job.prompt_ids = self.engine.prompt_ids(req)
                 if job.progress is not None:
                     await self._resume(job)
-            final = await self._generate(job, self.params(req, len(job.prompt_ids), job.label_ids))
+            if _passed(req):  # it generated (here, or for an earlier owner) and then waited past its deadline
+                final = self._done(job, "deadline")
+            else:
+                final = await self._generate(job, self.params(req, len(job.prompt_ids), job.label_ids))
             job.engine_done_at = time.time()
         except Rejected as exc:
             final = ErrorReply(req.id, exc.code, exc.message)
@@ -193,6 +200,16 @@ class Runner:
             await self._send_stored(job, force=True)
         await self.replies.settle_tokens(job)
         await self.replies.finish(job, final)
+
+    async def expire(self, job: Job) -> None:
+        """A waiting job whose deadline passed (admission found it). One that never generated is
+        answered `deadline_exceeded`. One that did (suspended for a higher class, or continued from an
+        earlier owner) has readers holding its tokens: it ends as a deadline passing while generating
+        does, with the token records it owes and then a `done`, finish "deadline"."""
+        if job.generated or job.progress is not None:
+            await self.serve(job)
+        else:
+            await self.replies.expire(job)
 
     async def _resume(self, job: Job) -> None:
         """Continue after the tokens an earlier owner emitted: re-send them unchanged, then generate the rest."""
@@ -215,9 +232,7 @@ class Runner:
         engine_id = f"{req.id}@{getattr(job.tp, 'partition', 0)}:{job.offset}#{job.segments}"
         remaining = params.max_tokens - len(job.generated)
         if remaining <= 0:  # resumed after every token was already emitted
-            return DoneReply(req.id, job.seq, "".join(job.texts), "length",
-                             Usage(len(job.prompt_ids), len(job.generated)), scores=job.scores, resumed=job.resumed,
-                             unchecked=not job.checked)
+            return self._done(job, "length")
         want_scores = bool(job.label_ids) and job.scores is None
         scores_only = req.kind == "score" and not req.max_tokens
         # pages are the insurance of long requests: a short one is recomputed on resume (`save_min_tokens`)
@@ -269,7 +284,7 @@ class Runner:
             if delta.finish_reason is not None:
                 finish = delta.finish_reason
                 metrics.record_kv(cls, prefix_len, delta.cached_tokens, delta.kv)
-            elif req.deadline_ms is not None and _now_ms() >= req.deadline_ms:
+            elif _passed(req):
                 await self.engine.abort(engine_id)
                 finish = "deadline"
                 break
@@ -285,8 +300,14 @@ class Runner:
             await chunk.flush()
         metrics.tokens_generated.labels(cls).inc(new_tokens)
         metrics.prompt_tokens.labels(cls).inc(len(job.prompt_ids))
-        return DoneReply(req.id, job.seq, "".join(job.texts), finish, Usage(len(job.prompt_ids), len(job.generated)),
-                         scores=job.scores, resumed=job.resumed, unchecked=not job.checked)
+        return self._done(job, finish)
+
+    @staticmethod
+    def _done(job: Job, finish: str) -> DoneReply:
+        """The `done` of what the job generated so far (every segment, every owner)."""
+        return DoneReply(job.request.id, job.seq, "".join(job.texts), finish,
+                         Usage(len(job.prompt_ids), len(job.generated)), scores=job.scores, resumed=job.resumed,
+                         unchecked=not job.checked)
 
     async def _send_token(self, job: Job, reply: TokenReply) -> None:
         job.token_futures.append(await self.emitter.token(job.reply_to, reply))

@@ -114,6 +114,44 @@ async def test_deadline_passing_mid_generation_finishes_with_deadline(settings, 
     assert 0 < done.usage.completion_tokens < 1000
 
 
+async def test_a_deadline_passing_while_suspended_ends_the_stream_with_a_done(settings, catalog, engine, group_id):
+    """Batch requests streaming on the real engine are suspended when realtime work arrives (batch's
+    contended cap is 2), and their deadline passes while the realtime request still runs: each ends
+    with a `done`, finish "deadline", after the token records it sent, not with `deadline_exceeded`."""
+    reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
+    await reader.start()
+    count = "Count from 1 to 1000: 1, 2, 3, 4, 5,"
+    batch_ids = [f"sus-{i}" for i in range(6)]
+    suspended = metrics.suspended.labels("batch")._value.get()
+    tokens: dict = {}
+    async with running_worker(settings, catalog, engine, group_id=group_id):
+        deadline = int(time.time() * 1000) + 8000
+        await produce(settings.kafka.options(), [
+            (catalog.request_topic("batch").name, i.encode(),
+             J({"id": i, "prompt": count, "max_tokens": 1000, "deadline_ms": deadline}), []) for i in batch_ids])
+        end = time.monotonic() + 60
+        while any(i not in tokens for i in batch_ids) and time.monotonic() < end:  # every one has generated
+            async for r in reader.records():
+                if isinstance(r, TokenReply):
+                    tokens.setdefault(r.id, {}).setdefault(r.seq, r.text)
+        assert all(i in tokens for i in batch_ids) and time.time() * 1000 < deadline - 2000, "too slow to test"
+        await produce(settings.kafka.options(), [(catalog.request_topic("realtime").name, b"holder",
+                                                   J({"id": "holder", "prompt": count, "max_tokens": 600}), [])])
+        finals, done_at = await _follow(reader, batch_ids + ["holder"], 240, tokens=tokens)
+        holder_done_ms = (done_at["holder"] + time.time() - time.monotonic()) * 1000
+    await reader.stop()
+    assert metrics.suspended.labels("batch")._value.get() >= suspended + 4  # all but the contended cap of 2
+    assert isinstance(finals["holder"], DoneReply)
+    # the realtime request held batch at its cap until after the deadline: the suspended ones expired waiting
+    assert holder_done_ms > deadline, "the realtime request ended before the batch deadline: nothing to test"
+    for i in batch_ids:
+        done = finals[i]
+        assert isinstance(done, DoneReply) and done.finish_reason == "deadline", done
+        seqs = tokens[i]
+        assert sorted(seqs) == list(range(done.seq)), i
+        assert "".join(seqs[k] for k in sorted(seqs)) == done.text, i
+
+
 async def test_paused_partitions_resume_and_complete(settings, catalog, engine, group_id):
     small = msgspec.structs.replace(catalog.request_topic("batch"), max_waiting=4, batch_size=4,
                                     max_in_engine=2, contended_in_engine=2)

@@ -444,3 +444,51 @@ async def test_an_idle_intake_wait_returns_records_of_a_partition_assigned_durin
         assert await until(lambda: "late" in mem.finals(), timeout=15)
         assert time.monotonic() - started < 5  # well inside the 20 s wait it was read in
     assert TopicPartition(topic, 1) in everything  # the partition came with the second assignment
+
+
+async def test_a_deadline_that_passes_while_suspended_ends_the_stream_with_a_done():
+    """A batch request suspended mid-stream for realtime work, whose deadline passes before it is
+    admitted again, has streamed tokens: it ends as one that passes while generating does, with a
+    `done` (finish "deadline") after every token record it sent, not an error saying it never ran."""
+    mem = Memory(partitions=1, engine=FakeEngine(token_delay_s=0.005), max_num_seqs=4)
+    deadline = int(time.time() * 1000) + 1500
+    for i in range(4):
+        mem.send("batch", J({"id": f"b{i}", "prompt": f"batch {i}", "max_tokens": 1000, "deadline_ms": deadline}),
+                 f"b{i}".encode())
+    async with running(mem) as w:
+        assert await until(lambda: w.scheduler.running("batch") == 4 and len(mem.tokens()) >= 8)
+        for i in range(4):  # realtime holds every slot past the batch deadline
+            mem.send("realtime", J({"id": f"r{i}", "prompt": "now", "max_tokens": 400}), f"r{i}".encode())
+        assert await until(mem.all_committed, timeout=20)
+    assert mem.engine.aborted, "no batch request was suspended"
+    finals = mem.finals()
+    for i in range(4):
+        (done,) = finals[f"b{i}"]
+        assert isinstance(done, DoneReply), done
+        assert done.finish_reason == "deadline"
+        assert 0 < done.usage.completion_tokens < 1000
+        mine = [t for t in mem.tokens() if t.id == f"b{i}"]  # every token record it sent, then the done
+        assert [t.seq for t in mine] == list(range(done.seq)) and done.seq > 0
+        assert "".join(t.text for t in mine) == done.text
+
+
+async def test_a_deadline_that_passes_between_owners_ends_the_continued_stream_with_a_done():
+    """A request whose partition moves mid-stream and whose deadline passes before the next owner
+    reads it: the next owner re-sends what the first one streamed and ends it with a `done`
+    (finish "deadline", resumed), not an error saying it never ran."""
+    mem = Memory(partitions=1, engine=FakeEngine(token_delay_s=0.02), revoke_grace_s=0.1)
+    deadline = int(time.time() * 1000) + 1000
+    mem.send("standard", J({"id": "long", "prompt": "x", "max_tokens": 1000, "deadline_ms": deadline}), b"long")
+    async with running(mem) as w:
+        assert await until(lambda: len([t for t in mem.tokens() if t.id == "long"]) >= 5)
+        mine = w.consumer.assignment()
+        await mem.consumer.assign(set())  # a rebalance takes the partition away mid-stream
+        first = [t for t in mem.tokens() if t.id == "long"]
+        await asyncio.sleep(max(0.0, deadline / 1000 - time.time()) + 0.1)
+        await mem.consumer.assign(mine)  # it comes back after its deadline
+        assert await until(mem.all_committed, timeout=20)
+    (done,) = mem.finals()["long"]
+    assert isinstance(done, DoneReply), done
+    assert done.finish_reason == "deadline" and done.resumed
+    assert done.seq == len(first) and done.usage.completion_tokens > 0
+    one_stream(mem, done)  # the first owner's records, re-sent unchanged, then the done
