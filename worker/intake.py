@@ -4,8 +4,9 @@ Per-record isolation: nothing a record carries (value, key, headers, depth, enco
 size, field values) can raise out of here. Every record ends as a job for the
 dispatcher, an `error` reply or a dead letter, and its offset is owned by the
 offset tracker until then. A record the Kafka client itself cannot parse (a header
-key that is not UTF-8, a corrupt batch) is found by reading one record at a time,
-dead-lettered with its coordinates, and skipped.
+key that is not UTF-8, a corrupt batch, a batch compressed with a codec it cannot
+decode) is found by reading one record at a time, dead-lettered with its
+coordinates, and skipped.
 
 Backpressure: a class whose waiting queue is full has its partitions paused; the
 loop keeps polling, so group membership is never at risk. Each loop stamps
@@ -28,7 +29,7 @@ import uuid
 
 import structlog
 from aiokafka import TopicPartition
-from aiokafka.errors import CorruptRecordException, KafkaError
+from aiokafka.errors import CorruptRecordException, KafkaError, UnsupportedCodecError
 
 from schemas import BadRequest, ErrorCode, RequestCodec
 from topics import Topic
@@ -41,8 +42,10 @@ MAX_REJECTS_IN_FLIGHT = 256
 # How long a loop with nothing to read waits for records. The consumer's fetches wake it as soon as
 # records arrive, so a longer wait costs no latency; a shorter one only spends CPU waking for nothing.
 IDLE_WAIT_MS = 1000
-# What a Kafka client raises for a record it cannot parse.
-UNPARSEABLE = (UnicodeDecodeError, CorruptRecordException)
+# What a Kafka client raises for a record it cannot parse. A batch compressed with a codec the
+# client cannot decode (an unknown codec id) fails every fetch that reaches it, and with it every
+# partition of that fetch, until each of its records is dead-lettered.
+UNPARSEABLE = (UnicodeDecodeError, CorruptRecordException, UnsupportedCodecError)
 
 
 def loop_name(topic: Topic) -> str:

@@ -169,3 +169,82 @@ async def test_malformed_records_never_block(settings, catalog, engine, group_id
     assert originals <= {bytes(r.value or b"") for r in dead}  # original bytes preserved where they fit
     # Everything was answered, so the whole partition range is committed.
     assert sum(committed.values()) == len(items) + len(CLASSES) + sum(partitions.values())
+
+
+CODECS = ("gzip", "snappy", "lz4", "zstd")
+
+
+async def _publish_compressed(settings, topic: str, tag: str) -> dict[str, list[int]]:
+    """Three requests per codec, each codec's three in one compressed batch on partition 0, as a
+    Java or librdkafka producer with `compression.type` set writes them: {codec: offsets}."""
+    offsets = {}
+    for codec in CODECS:
+        producer = AIOKafkaProducer(**settings.kafka.options(), compression_type=codec, linger_ms=50)
+        await producer.start()
+        try:
+            futures = [await producer.send(topic, J({"id": f"{tag}-{codec}-{i}", "prompt": "Say hi", "max_tokens": 2}),
+                                           key=f"{tag}-{codec}-{i}".encode(), partition=0) for i in range(3)]
+            offsets[codec] = [(await f).offset for f in futures]
+        finally:
+            await producer.stop()
+    return offsets
+
+
+async def _finals(reader, ids, timeout=120) -> dict:
+    finals = {}
+    end = asyncio.get_running_loop().time() + timeout
+    while set(ids) - set(finals) and asyncio.get_running_loop().time() < end:
+        async for r in reader.records():
+            if isinstance(r, (DoneReply, ErrorReply)):
+                finals[r.id] = r
+    return finals
+
+
+async def test_compressed_batches_are_answered_and_one_the_client_cannot_decode_is_dead_lettered(
+        settings, catalog, engine, group_id, monkeypatch):
+    """Every codec Kafka has (gzip, snappy, lz4, zstd) is read and answered. A batch the worker's
+    Kafka client cannot decode (lz4 with its library hidden from the client) fails every fetch that
+    reaches it, and before the fix stopped the whole class; now each of its records is dead-lettered
+    with its coordinates, the records after it are answered, and the partition is committed."""
+    import aiokafka.codec
+    import topics
+    from topics.admin import apply
+
+    topic = catalog.request_topic("standard").name
+    offsets = await _publish_compressed(settings, topic, "a")
+    ids = [f"a-{c}-{i}" for c in CODECS for i in range(3)]
+    reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
+    await reader.start()
+    try:
+        async with running_worker(settings, catalog, engine, group_id=group_id):
+            finals = await _finals(reader, ids)
+            await asyncio.sleep(1.5)  # a commit interval
+    finally:
+        await reader.stop()
+    assert all(isinstance(finals.get(i), DoneReply) for i in ids), finals
+    assert sum((await committed_offsets(settings, group_id, {topic})).values()) == 12
+
+    hidden = topics.load().renamed(f"t{group_id}lz.")
+    await apply(settings.kafka.options(), hidden)
+    topic = hidden.request_topic("standard").name
+    offsets = await _publish_compressed(settings, topic, "b")
+    monkeypatch.setattr(aiokafka.codec, "has_lz4", lambda: False)  # the worker's client now fails on lz4
+    ids = [f"b-{c}-{i}" for c in CODECS if c != "lz4" for i in range(3)]
+    reader = ReplyReader(settings.kafka.options(), hidden.replies.name)
+    await reader.start()
+    try:
+        async with running_worker(settings, hidden, engine, group_id=f"{group_id}-lz") as w:
+            finals = await _finals(reader, ids)
+            await asyncio.sleep(1.5)
+            still_ready = w.ready and w.supervisor.failure is None
+    finally:
+        await reader.stop()
+    dead = await _read_all(settings.kafka.bootstrap, hidden.dlq.name, 3)
+    assert still_ready
+    assert all(isinstance(finals.get(i), DoneReply) for i in ids), finals
+    assert not any(i.startswith("b-lz4") for i in finals)
+    coords = sorted((h[dlq.SOURCE_TOPIC], int(h[dlq.SOURCE_PARTITION]), int(h[dlq.SOURCE_OFFSET]))
+                    for h in map(dlq.parse, (r.headers for r in dead)))
+    assert coords == [(topic, 0, o) for o in offsets["lz4"]]
+    assert all("lz4" in dlq.parse(r.headers)[dlq.ERROR_MESSAGE] for r in dead)
+    assert sum((await committed_offsets(settings, f"{group_id}-lz", {topic})).values()) == 12
