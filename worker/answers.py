@@ -129,6 +129,9 @@ class AnswerStore:
         self._client: RedisCluster | None = None
         self._down_until = 0.0
         self.available = False
+        # monotonic: since when calls have failed, from the first failure until one succeeds (None while
+        # available); intake's wait for Redis counts from here (worker/intake.py: _schedule)
+        self.unavailable_since: float | None = None
         self._pending: list[tuple[str, bytes, bool, asyncio.Future]] = []
         self._appends: list[tuple[str, list, asyncio.Future]] = []  # write-ahead of token records
         self._flush_wanted = asyncio.Event()
@@ -222,8 +225,13 @@ class AnswerStore:
                 log.warning("redis_unavailable", url=redacted(self.url), error=repr(exc))
         self.available = ok
         metrics.redis_up.set(1 if ok else 0)
-        if not ok:
-            self._down_until = time.monotonic() + self.backoff_s
+        if ok:
+            self.unavailable_since = None
+        else:
+            now = time.monotonic()
+            self._down_until = now + self.backoff_s
+            if self.unavailable_since is None:
+                self.unavailable_since = now
 
     async def _call(self, fn):
         if not self.available and time.monotonic() < self._down_until:

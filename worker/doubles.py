@@ -209,11 +209,24 @@ class MemoryAnswers:
         self.answers: dict[str, bytes] = {}
         self.progress: dict[str, dict] = {}
         self.owners: dict[str, str] = {}  # request id -> the attempt that claimed it
-        self.available = True
+        self._available = True
+        self.unavailable_since: float | None = None  # monotonic, as the AnswerStore keeps it
         self.fail_writer: Exception | None = None
         self.hold: asyncio.Event | None = None
         self._writer: asyncio.Task | None = None
         self._wanted = asyncio.Event()
+
+    @property
+    def available(self) -> bool:
+        return self._available
+
+    @available.setter
+    def available(self, ok: bool) -> None:
+        if not ok and self.unavailable_since is None:
+            self.unavailable_since = time.monotonic()
+        elif ok:
+            self.unavailable_since = None
+        self._available = ok
 
     async def start(self) -> None:
         self._writer = asyncio.create_task(self._write_loop(), name="sluice-answers-writer")

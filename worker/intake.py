@@ -233,7 +233,10 @@ class Intake:
         stored = await self.answers.lookup_many(ids, streamed, owners)
         # Redis unavailable: wait a while (a master failover takes seconds) rather than run records that
         # may have been answered already; past the wait they run unchecked, and their replies say so.
-        give_up = time.monotonic() + self.redis_wait_s
+        # The wait counts from the outage's first failed call, not per batch: once an outage has
+        # outlasted it, every batch waiting again would leave each class one batch per wait.
+        since = self.answers.unavailable_since
+        give_up = (time.monotonic() if since is None else since) + self.redis_wait_s
         while not self.answers.available and time.monotonic() < give_up and not self.stopping():
             self.liveness.polled(loop or cls)
             await asyncio.sleep(0.25)

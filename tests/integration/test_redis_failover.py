@@ -91,11 +91,18 @@ async def test_whole_cluster_unreachable_then_back(settings, catalog, engine, gr
     try:
         for pid in pids:
             os.kill(pid, signal.SIGSTOP)  # every node hangs: connections open, no answers
-        async with running_worker(settings, catalog, engine, group_id=group_id) as w:
+        async with running_worker(settings, catalog, engine, group_id=group_id, redis_lookup_wait_s=20) as w:
             out = await run_burst(settings.kafka.options(), catalog,
                                   make_requests(6, seed=22, prefix="dark", max_tokens=24), timeout_s=300)
             assert all(isinstance(o.final, DoneReply) and not o.problems for o in out.values())
+            assert all(o.done_at - o.sent_at >= 15 for o in out.values())  # they waited for Redis
             assert not w.answers.available and metrics.redis_up._value.get() == 0
+            # still dark, and the outage is older than the wait: these run at once, unchecked, rather
+            # than each batch waiting the whole 20 s again
+            out = await run_burst(settings.kafka.options(), catalog,
+                                  make_requests(6, seed=24, prefix="darker", max_tokens=24), timeout_s=300)
+            assert all(isinstance(o.final, DoneReply) and o.final.unchecked and not o.problems for o in out.values())
+            assert all(o.done_at - o.sent_at < 15 for o in out.values()), [o.done_at - o.sent_at for o in out.values()]
             for pid in pids:
                 os.kill(pid, signal.SIGCONT)
             pids = []

@@ -492,3 +492,29 @@ async def test_a_deadline_that_passes_between_owners_ends_the_continued_stream_w
     assert done.finish_reason == "deadline" and done.resumed
     assert done.seq == len(first) and done.usage.completion_tokens > 0
     one_stream(mem, done)  # the first owner's records, re-sent unchanged, then the done
+
+
+async def test_once_redis_has_been_away_past_the_wait_later_records_run_at_once():
+    """The lookup wait rides out a master failover. In a longer outage the first records wait it out
+    and run unchecked; records read after that run at once, unchecked, instead of each batch waiting
+    the whole wait again (which left each class one batch per wait for as long as Redis was away)."""
+    mem = Memory(partitions=1, redis_lookup_wait_s=3)
+    async with running(mem):
+        mem.answers.available = False
+        sent = time.monotonic()
+        mem.send("standard", J({"id": "w1", "prompt": "x", "max_tokens": 2}), b"w1")
+        assert await until(lambda: "w1" in mem.finals(), timeout=10)
+        assert time.monotonic() - sent >= 2.5  # it waited for Redis
+        for i in range(3):  # still away: each of these is read in a batch of its own
+            sent = time.monotonic()
+            mem.send("standard", J({"id": f"w{i + 2}", "prompt": "x", "max_tokens": 2}), f"w{i + 2}".encode())
+            assert await until(lambda: f"w{i + 2}" in mem.finals(), timeout=10)
+            assert time.monotonic() - sent < 2.0, "waited for Redis again in an outage that outlasted the wait"
+        mem.answers.available = True
+        assert await until(mem.all_committed)
+        mem.answers.available = False  # a new outage: the wait applies again
+        sent = time.monotonic()
+        mem.send("standard", J({"id": "w9", "prompt": "x", "max_tokens": 2}), b"w9")
+        assert await until(lambda: "w9" in mem.finals(), timeout=10)
+        assert time.monotonic() - sent >= 2.5
+    assert all(r.unchecked for rid in ("w1", "w2", "w3", "w4", "w9") for r in mem.finals()[rid])
