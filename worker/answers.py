@@ -127,8 +127,8 @@ class AnswerStore:
         self.backoff_s = backoff_s
         self.seeds = SeedNodes(url)
         self._client: RedisCluster | None = None
-        self._down_until = 0.0
         self.available = False
+        self._prober: asyncio.Task | None = None  # reconnects while Redis is away (`_probe`)
         # monotonic: since when calls have failed, from the first failure until one succeeds (None while
         # available); intake's wait for Redis counts from here (worker/intake.py: _schedule)
         self.unavailable_since: float | None = None
@@ -228,16 +228,26 @@ class AnswerStore:
         if ok:
             self.unavailable_since = None
         else:
-            now = time.monotonic()
-            self._down_until = now + self.backoff_s
             if self.unavailable_since is None:
-                self.unavailable_since = now
+                self.unavailable_since = time.monotonic()
+            self._probe_later()
+
+    def _probe_later(self) -> None:
+        """While Redis is away no call waits on it: each is answered as degraded at once, and this
+        one task tries to reconnect every `backoff_s` until it can. (When each call after a back-off
+        tried to reconnect itself, every lookup and write stood still for up to four timeouts every
+        few seconds of a hung cluster.)"""
+        if self._prober is None or self._prober.done():
+            self._prober = asyncio.get_running_loop().create_task(self._probe(), name="sluice-answers-probe")
+
+    async def _probe(self) -> None:
+        while not self.available:
+            await asyncio.sleep(self.backoff_s)
+            await self._connect()
 
     async def _call(self, fn):
-        if not self.available and time.monotonic() < self._down_until:
-            return None
-        if self._client is None and not await self._connect():
-            return None
+        if not self.available or self._client is None:
+            return None  # degraded: `_probe` reconnects
         try:
             async with asyncio.timeout(self.timeout * 4):
                 result = await fn(self._client)
@@ -374,6 +384,9 @@ class AnswerStore:
         return bool(await self._call(lambda c: c.ping()))
 
     async def stop(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            await asyncio.gather(self._prober, return_exceptions=True)
         if self._writer is not None:
             self._writer.cancel()
             await asyncio.gather(self._writer, return_exceptions=True)

@@ -97,6 +97,14 @@ async def test_whole_cluster_unreachable_then_back(settings, catalog, engine, gr
             assert all(isinstance(o.final, DoneReply) and not o.problems for o in out.values())
             assert all(o.done_at - o.sent_at >= 15 for o in out.values())  # they waited for Redis
             assert not w.answers.available and metrics.redis_up._value.get() == 0
+            # no call waits on the hung cluster once it is known to be away: a single task reconnects
+            slowest = 0.0
+            for _ in range(24):  # 6 s: three of the reconnect task's attempts, each up to four timeouts
+                started = time.monotonic()
+                assert await w.answers.get("default:anything") is None
+                slowest = max(slowest, time.monotonic() - started)
+                await asyncio.sleep(0.25)
+            assert slowest < 0.3, slowest
             # still dark, and the outage is older than the wait: these run at once, unchecked, rather
             # than each batch waiting the whole 20 s again
             out = await run_burst(settings.kafka.options(), catalog,
