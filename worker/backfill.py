@@ -171,7 +171,8 @@ class Backfill:
         cp = Checkpoint.load(self.path)
         if cp is not None and cp.complete:
             return cp  # nothing left to do: a finished job writes nothing more
-        probe = AIOKafkaConsumer(**self.s.kafka.options(), enable_auto_commit=False, fetch_max_wait_ms=50)
+        probe = AIOKafkaConsumer(**self.s.kafka.options(), enable_auto_commit=False, fetch_max_wait_ms=50,
+                                 isolation_level=self.s.kafka.isolation_level)
         await probe.start()
         try:
             if cp is None:
@@ -212,7 +213,8 @@ class Backfill:
         await reader.start()
         producer = AIOKafkaProducer(**self.s.kafka.options(), acks="all", linger_ms=5)
         await producer.start()
-        consumer = AIOKafkaConsumer(**self.s.kafka.options(), enable_auto_commit=False, fetch_max_wait_ms=50)
+        consumer = AIOKafkaConsumer(**self.s.kafka.options(), enable_auto_commit=False, fetch_max_wait_ms=50,
+                                 isolation_level=self.s.kafka.isolation_level)
         await consumer.start()
         tracker = OffsetTracker()
         pending: dict[str, tuple[int, int, str]] = {}  # request id -> (partition, offset, event id)

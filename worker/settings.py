@@ -57,6 +57,9 @@ class KafkaSettings(_Section):
     fetch_max_wait_ms: Positive = 50
     # How long the producer waits for the broker to acknowledge a send before it retries or fails.
     request_timeout_ms: Positive = 40000
+    # Request and backfill source records of a transaction that was aborted, or is still open, are not
+    # read (Kafka's read_committed); records of producers without transactions are read as written.
+    isolation_level: Literal["read_committed", "read_uncommitted"] = "read_committed"
 
     def options(self) -> dict:
         """Connection options shared by consumers, producers and admin clients."""

@@ -86,6 +86,7 @@ def kafka_consumer(settings: Settings):
         enable_auto_commit=False,
         auto_offset_reset="earliest",
         fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,
+        isolation_level=settings.kafka.isolation_level,
         session_timeout_ms=settings.group.session_timeout_ms,
         heartbeat_interval_ms=settings.group.heartbeat_ms(),
         max_partition_fetch_bytes=max(1 << 20, 2 * settings.limits.max_record_bytes),

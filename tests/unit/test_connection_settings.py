@@ -48,3 +48,26 @@ def test_a_redis_password_file_is_read_by_each_client_and_never_put_in_the_engin
     assert opts["password"] == secret and opts["username"] == "sluice" and opts["ssl_ca_certs"] == "/ca.crt"
     assert s.redis.client_url().startswith("rediss://")
     assert secret not in repr(kv_connector_config(s, "fingerprint"))  # the connector reads the file itself
+
+
+async def test_request_readers_read_committed_records_unless_told_otherwise():
+    """The worker's request consumer and the backfill's source readers skip records of aborted or
+    open transactions (Kafka's read_committed) by default; the setting can turn that off."""
+    from worker.settings import SettingsError
+    from worker.worker import kafka_consumer
+
+    s = load(environ={})
+    assert s.kafka.isolation_level == "read_committed"
+    assert kafka_consumer(s)._isolation_level == "read_committed"
+    s = load(environ={"SLUICE_KAFKA_ISOLATION_LEVEL": "read_uncommitted"})
+    assert kafka_consumer(s)._isolation_level == "read_uncommitted"
+    try:
+        load(environ={"SLUICE_KAFKA_ISOLATION_LEVEL": "dirty"})
+    except SettingsError as exc:
+        assert "ISOLATION_LEVEL" in str(exc)
+    else:
+        raise AssertionError("an unknown isolation level was accepted")
+    backfill = [where for where, call in client_calls() if where.startswith("worker/backfill.py")
+                and call.func.id == "AIOKafkaConsumer"]
+    assert len(backfill) == 2 and all(any(k.arg == "isolation_level" for k in call.keywords)
+                                      for where, call in client_calls() if where in backfill)
