@@ -33,6 +33,7 @@ from loadgen.burst import ReplyReader
 from schemas import DoneReply, ErrorReply
 from schemas.events import BackfillResult
 from worker.backfill_range import resolve, true_end
+from worker.intake import UNPARSEABLE
 from worker.offsets import OffsetTracker
 
 JOB_HEADER = "x-sluice-backfill"
@@ -271,7 +272,11 @@ class Backfill:
                 consumer.seek(tp, cp.done[p])
             reading = set(tps)
             while reading:
-                batch = await consumer.getmany(*[tps[p] for p in reading], timeout_ms=200, max_records=256)
+                wanted = [tps[p] for p in reading]
+                try:
+                    batch = await consumer.getmany(*wanted, timeout_ms=200, max_records=256)
+                except UNPARSEABLE:
+                    batch = await read_one_by_one(consumer, wanted, tracker, cp.done)
                 for tp, recs in batch.items():
                     end = cp.ranges[tp.partition][1]
                     for rec in recs:
@@ -284,7 +289,10 @@ class Backfill:
                         await slots.acquire()
                         if self.stop.is_set():
                             return
-                        await self._submit(producer, rec, pending, emit)
+                        if isinstance(rec, Unreadable):
+                            await emit(rec.partition, rec.offset, self._unreadable_result(rec))
+                        else:
+                            await self._submit(producer, rec, pending, emit)
                 for p in list(reading):
                     if await consumer.position(tps[p]) >= cp.ranges[p][1]:
                         reading.discard(p)
@@ -318,6 +326,11 @@ class Backfill:
             await producer.stop()
             await reader.stop()
 
+    def _unreadable_result(self, rec: Unreadable) -> BackfillResult:
+        return BackfillResult(event_id=f"{rec.partition}:{rec.offset}", topic=self.job.source, partition=rec.partition,
+                              offset=rec.offset, template=self.job.template, error_code="invalid_request",
+                              error=f"the Kafka client could not read this source record: {rec.error!r}"[:512])
+
     async def _submit(self, producer, rec, pending, emit) -> None:
         """One source record -> one score request (or, if it is not an event at all, an error result)."""
         p, o = rec.partition, rec.offset
@@ -342,6 +355,39 @@ class Backfill:
         value = self._enc.encode(body)
         await producer.send(self.request_topic, value, key=rid.encode(),
                             headers=self.signer.headers(rid.encode(), value) if self.signer else [])
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A source record the Kafka client cannot parse (a header key that is not UTF-8, a batch it
+    cannot decode): it gets an error result like any record that is not an event."""
+
+    partition: int
+    offset: int
+    error: BaseException
+
+
+async def read_one_by_one(consumer, tps: list, tracker: OffsetTracker, done: dict[int, int]) -> dict:
+    """After a fetch failed to parse: each partition from its first record not yet taken, one record
+    at a time, with an `Unreadable` for each record that cannot be parsed. A fetch that fails hands out
+    nothing of any partition, so without this one record would stop the job at every run."""
+    out: dict = {}
+    for tp in tps:
+        start = tracker.next_offset(tp)
+        consumer.seek(tp, done[tp.partition] if start is None else start)
+        for _ in range(256):
+            try:
+                recs = await consumer.getmany(tp, timeout_ms=200, max_records=1)
+            except UNPARSEABLE as exc:
+                offset = await consumer.position(tp)
+                out.setdefault(tp, []).append(Unreadable(tp.partition, offset, exc))
+                consumer.seek(tp, offset + 1)
+                continue
+            if not recs:
+                break
+            for part, records in recs.items():
+                out.setdefault(part, []).extend(records)
+    return out
 
 
 def add_to(cp: Checkpoint, res: BackfillResult) -> None:

@@ -156,3 +156,35 @@ async def test_backfill_killed_midway_resumes_with_one_result_per_event(settings
         res = by_id[e["id"]]
         assert res.error_code is None and set(res.scores) == {"legit", "fraud"}, res
         assert abs(sum(res.scores.values()) - 1) < 1e-6 and res.label in res.scores
+
+
+async def test_a_source_record_the_client_cannot_read_gets_an_error_result_and_the_job_goes_on(
+        settings, catalog, engine, group_id, tmp_path):
+    """One record in the source that aiokafka cannot parse (a header key that is not UTF-8, written
+    by a plain client) used to end every run of the job with a traceback at the same offset, and no
+    event of the fetch it was in got a result. Now it gets an error result of its own, keyed by its
+    partition:offset, and every event around it is scored."""
+    from tests.integration.test_bad_records import HOSTILE_PRODUCER
+
+    prefix = catalog.replies.name[: -len("sluice.replies")]
+    topics_file = prefixed_topics_file(catalog, tmp_path / "topics.toml")
+    source, out = f"{prefix}events", f"{prefix}scored"
+    await create_topic(settings, source, 1)
+    events = transactions(6, seed=5)
+    await produce(settings.kafka.options(), [(source, e["id"].encode(), msgspec.json.encode(e), []) for e in events[:3]])
+    subprocess.run([sys.executable, "-c", HOSTILE_PRODUCER, settings.kafka.bootstrap, source],
+                   env={**os.environ, "AIOKAFKA_NO_EXTENSIONS": "1"}, check=True, timeout=60)
+    await produce(settings.kafka.options(), [(source, e["id"].encode(), msgspec.json.encode(e), []) for e in events[3:]])
+    env = {**os.environ, "SLUICE_TOPICS_FILE": str(topics_file), "SLUICE_KAFKA_IDEMPOTENCE": "false",
+           "SLUICE_LOG_LEVEL": "warning"}
+    async with running_worker(settings, catalog, engine, group_id=group_id):
+        run = await asyncio.create_subprocess_exec(*backfill_cmd(source, out, tmp_path / "state"), env=env,
+                                                   stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        output, _ = await asyncio.wait_for(run.communicate(), 300)
+    assert run.returncode == 0, output.decode()[-3000:]
+    dec = msgspec.json.Decoder(BackfillResult)
+    results = {r.key.decode(): dec.decode(r.value) for r in await read_all(settings, out)}
+    assert set(results) == {e["id"] for e in events} | {"0:3"}
+    bad = results["0:3"]
+    assert bad.offset == 3 and bad.error_code == "invalid_request" and "could not read" in bad.error
+    assert all(results[e["id"]].error_code is None and results[e["id"]].scores for e in events)
