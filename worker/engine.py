@@ -9,7 +9,7 @@ from typing import Protocol
 
 from schemas import Request
 from worker.engine_guard import EngineGuard
-from worker.prompt_tokens import encode_chat, encode_text
+from worker.prompt_tokens import check_chat_template, encode_chat, encode_text
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,9 +282,7 @@ class VllmEngine:
                                               disable_log_stats=args.disable_log_stats)
         self._guard.watch()  # a SIGKILLed worker must not leave the engine processes running
         self._tokenizer = self._llm.get_tokenizer()
-        if getattr(self._tokenizer, "chat_template", None):
-            # A template that rewrites contents would make every chat request unsafe: refuse to start.
-            encode_chat(self._tokenizer, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+        check_chat_template(self._tokenizer)
         self.max_model_len = self._llm.model_config.max_model_len
         self.resolved = describe_config(self._llm.vllm_config)
 

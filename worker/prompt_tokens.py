@@ -13,9 +13,16 @@ from __future__ import annotations
 import secrets
 import weakref
 
+from jinja2 import TemplateError  # what a chat template's raise_exception raises (transformers renders with jinja2)
+
 
 class UnsafeTemplate(ValueError):
     """The chat template changes message contents, so structure and content cannot be told apart."""
+
+
+class ChatRefused(ValueError):
+    """The model's chat template refused these messages (many require roles that alternate user /
+    assistant and raise otherwise): the producer's request is wrong, not the worker."""
 
 
 # Per tokenizer: a copy of its Rust backend that always splits special-token strings (None for a
@@ -59,7 +66,10 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     nonce = secrets.token_hex(8)  # a marker no producer can predict, so none can forge one
     markers = [f"@@sluice-{nonce}-{i}@@" for i in range(len(messages))]
     placeholders = [{**m, "content": mark} for m, mark in zip(messages, markers)]
-    rendered = tokenizer.apply_chat_template(placeholders, add_generation_prompt=True, tokenize=False)
+    try:
+        rendered = tokenizer.apply_chat_template(placeholders, add_generation_prompt=True, tokenize=False)
+    except TemplateError as exc:
+        raise ChatRefused(str(exc)[:300]) from None
     ids: list[int] = []
     pos = 0
     for message, mark in zip(messages, markers):
@@ -72,3 +82,16 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
         pos = at + len(mark)
     ids += tokenizer.encode(rendered[pos:], add_special_tokens=False)
     return ids
+
+
+def check_chat_template(tokenizer) -> None:
+    """At start: a template that rewrites contents would make every chat request unsafe, so it raises
+    `UnsafeTemplate` (the worker refuses to start). Tried with a system turn, and without one where
+    the template refuses a system role (some models have none)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return
+    user = {"role": "user", "content": "u"}
+    try:
+        encode_chat(tokenizer, [{"role": "system", "content": "s"}, user])
+    except ChatRefused:
+        encode_chat(tokenizer, [user])

@@ -23,6 +23,7 @@ from worker import metrics
 from worker.answers import AnswerStore
 from worker.emitter import Emitter
 from worker.engine import Engine, EngineDead, GenParams
+from worker.prompt_tokens import ChatRefused
 from worker.replies import Fenced, Replies
 
 _log = structlog.get_logger("sluice.runner")  # one proxy: a new one per request built a logger each time
@@ -180,7 +181,11 @@ class Runner:
                 if req.kind == "score":
                     self.prepare_score(job)
                 else:
-                    job.prompt_ids = self.engine.prompt_ids(req)
+                    try:
+                        job.prompt_ids = self.engine.prompt_ids(req)
+                    except ChatRefused as exc:
+                        raise Rejected(ErrorCode.INVALID_REQUEST,
+                                       f"the model's chat template refused these messages: {exc}") from None
                 if job.progress is not None:
                     await self._resume(job)
             if _passed(req):  # it generated (here, or for an earlier owner) and then waited past its deadline

@@ -82,3 +82,31 @@ def test_the_backend_fast_path_tokenizes_as_transformers_does(tokenizer, text, a
     assert encode_text(tokenizer, text, add_special_tokens=add_special_tokens) == expected
     # and leaves the shared tokenizer's own parsing as it was: the template's structure keeps its special tokens
     assert tokenizer.encode("<|im_end|>", add_special_tokens=False) == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_bad_request(model_dir):
+    """Many models' templates raise for roles that do not alternate; that is the producer's error
+    (answered `invalid_request` by the runner, tests/unit/test_poison.py), not the worker's."""
+    from worker.prompt_tokens import ChatRefused
+
+    strict = AutoTokenizer.from_pretrained(model_dir)  # its own copy: the module's tokenizer is shared
+    strict.chat_template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                            "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+                            "{% endif %}{{ m['content'] }}{% endfor %}")
+    assert encode_chat(strict, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    with pytest.raises(ChatRefused, match="must alternate"):
+        encode_chat(strict, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+
+
+def test_the_start_check_accepts_a_template_without_a_system_role_and_refuses_a_rewriting_one(model_dir):
+    from worker.prompt_tokens import check_chat_template
+
+    no_system = AutoTokenizer.from_pretrained(model_dir)
+    no_system.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                               "{{ raise_exception('System role not supported') }}{% endif %}"
+                               "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    check_chat_template(no_system)  # chats without a system turn still work with it
+    rewriting = AutoTokenizer.from_pretrained(model_dir)
+    rewriting.chat_template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
+    with pytest.raises(UnsafeTemplate):
+        check_chat_template(rewriting)

@@ -197,3 +197,32 @@ async def test_a_request_that_fails_in_the_engine_is_logged_with_its_id_class_an
     assert failed[0]["request_id"] == "boom1" and failed[0]["cls"] == "standard"
     assert (failed[0]["partition"], failed[0]["offset"]) == (0, 1)
     assert failed[0]["log_level"] == "error" and failed[0].get("exc_info")
+
+
+class StrictChatEngine(FakeEngine):
+    """Its chat template refuses two user turns in a row, as many models' templates do."""
+
+    def prompt_ids(self, request):
+        from worker.prompt_tokens import ChatRefused
+
+        roles = [m.role for m in request.messages or ()]
+        if any(a == b == "user" for a, b in zip(roles, roles[1:])):
+            raise ChatRefused("Conversation roles must alternate user/assistant/user/assistant")
+        return super().prompt_ids(request)
+
+
+async def test_messages_the_chat_template_refuses_are_a_bad_request_not_an_internal_error():
+    from structlog.testing import capture_logs
+
+    mem = Memory(partitions=1, engine=StrictChatEngine())
+    user = {"role": "user", "content": "hi"}
+    mem.send("standard", J({"id": "twice", "messages": [user, user], "max_tokens": 2}), b"twice")
+    mem.send("standard", J({"id": "once", "messages": [user], "max_tokens": 2}), b"once")
+    with capture_logs() as lines:
+        async with running(mem):
+            assert await until(mem.all_committed)
+    (refused,) = mem.finals()["twice"]
+    assert isinstance(refused, ErrorReply) and refused.code.value == "invalid_request"
+    assert "must alternate" in refused.message
+    assert isinstance(mem.finals()["once"][0], DoneReply)
+    assert not [line for line in lines if line["event"] == "request_failed"]  # no traceback for a bad request
