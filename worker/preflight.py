@@ -70,7 +70,7 @@ async def check_redis(redis_settings, timeout_s: float = 5.0) -> str:
             probe = f"{redis_settings.key_prefix}:preflight:{{{uuid.uuid4().hex}}}"
             await client.set(probe, b"1", ex=10)
             await client.eval("return redis.call('DEL', KEYS[1])", 1, probe)
-        return "ok"
+            policies = await eviction_policies(client)
     except Exception as exc:  # noqa: BLE001 - classified below
         for cause in _chain(exc):
             text = str(cause)
@@ -100,6 +100,29 @@ async def check_redis(redis_settings, timeout_s: float = 5.0) -> str:
                 await client.aclose()
             except Exception:  # noqa: BLE001 - closing a client that never connected
                 pass
+    evicting = sorted({policy for policy in policies.values() if policy != "noeviction"})
+    if evicting and not redis_settings.allow_eviction:
+        raise StartupError(f"Redis Cluster evicts keys under memory pressure (maxmemory-policy "
+                           f"{', '.join(evicting)}): sluice's stored answers, progress and claims would be dropped "
+                           f"with them, and the repeated-id, resume and fencing guarantees too. Set "
+                           f"maxmemory-policy noeviction on every primary (then a full Redis refuses writes and "
+                           f"the worker serves degraded, saying so), or SLUICE_REDIS_ALLOW_EVICTION=true to "
+                           f"accept it")
+    return "ok"
+
+
+async def eviction_policies(client) -> dict[str, str]:
+    """Each primary's maxmemory-policy; empty where CONFIG GET is not allowed (managed services often
+    refuse it), so the check is skipped rather than the worker stopped."""
+    from redis.exceptions import NoPermissionError, ResponseError
+
+    try:
+        replies = await client.config_get("maxmemory-policy", target_nodes=client.PRIMARIES)
+    except (NoPermissionError, ResponseError):
+        return {}
+    if isinstance(replies, dict) and "maxmemory-policy" in replies:  # a single node answered
+        replies = {"": replies}
+    return {str(node): (reply or {}).get("maxmemory-policy", "noeviction") for node, reply in replies.items()}
 
 
 async def check_kafka(kafka_settings, timeout_s: float = 15.0) -> None:

@@ -101,6 +101,9 @@ class RedisSettings(_Section):
     # Records read while Redis is unavailable wait this long for it (a master failover) before they
     # run without their stored answer and progress, marked `unchecked` on their replies.
     lookup_wait_s: Annotated[float, Meta(ge=0)] = 10.0
+    # A cluster whose maxmemory-policy evicts keys would drop stored answers, progress and claims under
+    # memory pressure, and the guarantees with them: the worker refuses to start on one unless allowed.
+    allow_eviction: bool = False
     # ACL user and password (or a file holding the password, e.g. a mounted Secret); they take
     # precedence over credentials in the URL, and are never logged.
     username: str | None = None

@@ -20,3 +20,24 @@ async def test_requests_complete_while_redis_is_unreachable(settings, catalog, e
     assert all(isinstance(o.final, DoneReply) and not o.problems for o in out.values())
     # run without their stored answers and progress (past SLUICE_REDIS_LOOKUP_WAIT_S), and saying so
     assert all(o.final.unchecked for o in out.values())
+
+
+async def test_a_cluster_that_evicts_keys_stops_the_worker_at_start_unless_allowed(settings):
+    """An evicting maxmemory-policy would drop stored answers, progress and claims under memory
+    pressure; the worker refuses to start on one, naming the fix, unless told to accept it."""
+    from redis.asyncio.cluster import RedisCluster
+
+    from worker import preflight
+
+    assert await preflight.check_redis(settings.redis) == "ok"  # the embedded cluster: noeviction
+    client = RedisCluster.from_url(settings.redis.client_url())
+    await client.initialize()
+    primary = client.get_primaries()[0]
+    try:
+        await client.config_set("maxmemory-policy", "allkeys-lru", target_nodes=primary)
+        with pytest.raises(preflight.StartupError, match="allkeys-lru.*SLUICE_REDIS_ALLOW_EVICTION"):
+            await preflight.check_redis(settings.redis)
+        assert await preflight.check_redis(settings.override(redis_allow_eviction=True).redis) == "ok"
+    finally:
+        await client.config_set("maxmemory-policy", "noeviction", target_nodes=primary)
+        await client.aclose()
