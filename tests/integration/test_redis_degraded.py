@@ -1,5 +1,6 @@
 """Without Redis Cluster the worker keeps serving; it only loses the repeated-id check."""
 
+import asyncio
 import pytest
 
 from loadgen.burst import make_requests, run_burst
@@ -40,4 +41,32 @@ async def test_a_cluster_that_evicts_keys_stops_the_worker_at_start_unless_allow
         assert await preflight.check_redis(settings.override(redis_allow_eviction=True).redis) == "ok"
     finally:
         await client.config_set("maxmemory-policy", "noeviction", target_nodes=primary)
+        await client.aclose()
+
+
+async def test_a_full_cluster_that_refuses_writes_is_served_degraded(settings, catalog, engine, group_id):
+    """maxmemory reached under noeviction: every write is refused (OOM). The worker serves on,
+    its replies marked unchecked, and stores again once there is room."""
+    from redis.asyncio.cluster import RedisCluster
+
+    client = RedisCluster.from_url(settings.redis.client_url())
+    await client.initialize()
+    try:
+        await client.config_set("maxmemory", "1", target_nodes=client.PRIMARIES)
+        async with running_worker(settings, catalog, engine, group_id=group_id, redis_lookup_wait_s=2) as w:
+            out = await run_burst(settings.kafka.options(), catalog,
+                                  make_requests(4, seed=7, prefix="full", max_tokens=4), timeout_s=120)
+            assert all(isinstance(o.final, DoneReply) and o.final.unchecked and not o.problems for o in out.values())
+            assert w.ready and w.supervisor.failure is None
+            await client.config_set("maxmemory", "0", target_nodes=client.PRIMARIES)
+            for _ in range(100):  # the store's reconnect task finds Redis writable again within seconds
+                await w.answers.put_later("default:probe", b"{}")
+                if w.answers.available:
+                    break
+                await asyncio.sleep(0.2)
+            out = await run_burst(settings.kafka.options(), catalog,
+                                  make_requests(4, seed=8, prefix="room", max_tokens=4), timeout_s=120)
+            assert all(isinstance(o.final, DoneReply) and not o.final.unchecked for o in out.values())
+    finally:
+        await client.config_set("maxmemory", "0", target_nodes=client.PRIMARIES)
         await client.aclose()
