@@ -211,7 +211,7 @@ async def test_compressed_batches_are_answered_and_one_the_client_cannot_decode_
     from topics.admin import apply
 
     topic = catalog.request_topic("standard").name
-    offsets = await _publish_compressed(settings, topic, "a")
+    await _publish_compressed(settings, topic, "a")
     ids = [f"a-{c}-{i}" for c in CODECS for i in range(3)]
     reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
     await reader.start()
