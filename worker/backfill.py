@@ -215,7 +215,7 @@ class Backfill:
         producer = AIOKafkaProducer(**self.s.kafka.options(), acks="all", linger_ms=5)
         await producer.start()
         consumer = AIOKafkaConsumer(**self.s.kafka.options(), enable_auto_commit=False, fetch_max_wait_ms=50,
-                                 isolation_level=self.s.kafka.isolation_level)
+                                    isolation_level=self.s.kafka.isolation_level)
         await consumer.start()
         tracker = OffsetTracker()
         pending: dict[str, tuple[int, int, str]] = {}  # request id -> (partition, offset, event id)

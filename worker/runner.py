@@ -188,7 +188,7 @@ class Runner:
                                        f"the model's chat template refused these messages: {exc}") from None
                 if job.progress is not None:
                     await self._resume(job)
-            if _passed(req):  # it generated (here, or for an earlier owner) and then waited past its deadline
+            if job.generated and _passed(req):  # it generated (here, or for an earlier owner), then waited past it
                 final = self._done(job, "deadline")
             else:
                 final = await self._generate(job, self.params(req, len(job.prompt_ids), job.label_ids))
