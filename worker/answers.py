@@ -129,8 +129,9 @@ class AnswerStore:
         self._client: RedisCluster | None = None
         self.available = False
         self._prober: asyncio.Task | None = None  # reconnects while Redis is away (`_probe`)
-        # monotonic: since when calls have failed, from the first failure until one succeeds (None while
-        # available); intake's wait for Redis counts from here (worker/intake.py: _schedule)
+        # monotonic: since when calls have failed, from the first failure until a call succeeds (a
+        # reconnect alone does not end it: a full cluster accepts connections and refuses writes);
+        # intake's wait for Redis counts from here (worker/intake.py: _schedule)
         self.unavailable_since: float | None = None
         self._pending: list[tuple[str, bytes, bool, asyncio.Future]] = []
         self._appends: list[tuple[str, list, asyncio.Future]] = []  # write-ahead of token records
@@ -225,9 +226,7 @@ class AnswerStore:
                 log.warning("redis_unavailable", url=redacted(self.url), error=repr(exc))
         self.available = ok
         metrics.redis_up.set(1 if ok else 0)
-        if ok:
-            self.unavailable_since = None
-        else:
+        if not ok:
             if self.unavailable_since is None:
                 self.unavailable_since = time.monotonic()
             self._probe_later()
@@ -252,6 +251,7 @@ class AnswerStore:
             async with asyncio.timeout(self.timeout * 4):
                 result = await fn(self._client)
             self._mark(True)
+            self.unavailable_since = None
             return result
         except Exception as exc:  # noqa: BLE001 - any client failure (redis-py raises more than RedisError mid-failover) degrades
             self._mark(False, exc)

@@ -45,18 +45,25 @@ async def test_a_cluster_that_evicts_keys_stops_the_worker_at_start_unless_allow
 
 
 async def test_a_full_cluster_that_refuses_writes_is_served_degraded(settings, catalog, engine, group_id):
-    """maxmemory reached under noeviction: every write is refused (OOM). The worker serves on,
-    its replies marked unchecked, and stores again once there is room."""
+    """maxmemory reached under noeviction: every write is refused (OOM) while connections are
+    accepted. The worker serves on, its replies marked unchecked; a later burst in the same outage
+    does not wait for Redis again (a reconnect does not end the outage, a write that succeeds does);
+    and it stores again once there is room."""
     from redis.asyncio.cluster import RedisCluster
 
     client = RedisCluster.from_url(settings.redis.client_url())
     await client.initialize()
     try:
         await client.config_set("maxmemory", "1", target_nodes=client.PRIMARIES)
-        async with running_worker(settings, catalog, engine, group_id=group_id, redis_lookup_wait_s=2) as w:
+        async with running_worker(settings, catalog, engine, group_id=group_id, redis_lookup_wait_s=10) as w:
             out = await run_burst(settings.kafka.options(), catalog,
                                   make_requests(4, seed=7, prefix="full", max_tokens=4), timeout_s=120)
             assert all(isinstance(o.final, DoneReply) and o.final.unchecked and not o.problems for o in out.values())
+            await asyncio.sleep(5)  # the store's reconnect task connects meanwhile: the cluster still refuses writes
+            out = await run_burst(settings.kafka.options(), catalog,
+                                  make_requests(4, seed=9, prefix="fuller", max_tokens=4), timeout_s=120)
+            assert all(isinstance(o.final, DoneReply) and o.final.unchecked and not o.problems for o in out.values())
+            assert all(o.done_at - o.sent_at < 7 for o in out.values()), [o.done_at - o.sent_at for o in out.values()]
             assert w.ready and w.supervisor.failure is None
             await client.config_set("maxmemory", "0", target_nodes=client.PRIMARIES)
             for _ in range(100):  # the store's reconnect task finds Redis writable again within seconds
