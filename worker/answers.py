@@ -27,6 +27,7 @@ by tenant and request id (`Job.state_id`), so one tenant's id never finds anothe
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -199,7 +200,10 @@ class AnswerStore:
             if not future.done():
                 future.set_result(ok)
 
-    async def _connect(self) -> bool:
+    async def _connect(self, write_check: bool = False) -> bool:
+        """A new client; with `write_check` (the reconnect task), only one that can also store: a full
+        cluster accepts connections and refuses writes, and counting it back would make the store
+        flicker between available and not every few seconds."""
         client = None
         try:
             client = RedisCluster.from_url(
@@ -208,6 +212,8 @@ class AnswerStore:
                 **self.client_options)
             async with asyncio.timeout(self.timeout * 4):  # not wait_for: 3.11's can swallow a cancellation
                 await client.initialize()
+                if write_check:
+                    await client.set(f"{self.prefix}:probe:{{{secrets.token_hex(4)}}}", b"1", ex=10)
             self.seeds.remember(client.get_nodes())
             self._client = client
             self._mark(True)
@@ -242,7 +248,7 @@ class AnswerStore:
     async def _probe(self) -> None:
         while not self.available:
             await asyncio.sleep(self.backoff_s)
-            await self._connect()
+            await self._connect(write_check=True)
 
     async def _call(self, fn):
         if not self.available or self._client is None:

@@ -59,7 +59,11 @@ async def test_a_full_cluster_that_refuses_writes_is_served_degraded(settings, c
             out = await run_burst(settings.kafka.options(), catalog,
                                   make_requests(4, seed=7, prefix="full", max_tokens=4), timeout_s=120)
             assert all(isinstance(o.final, DoneReply) and o.final.unchecked and not o.problems for o in out.values())
-            await asyncio.sleep(5)  # the store's reconnect task connects meanwhile: the cluster still refuses writes
+            seen = set()
+            for _ in range(50):  # 5 s: the store's reconnect task tries twice; the cluster still refuses writes
+                seen.add(w.answers.available)
+                await asyncio.sleep(0.1)
+            assert seen == {False}, "a reconnect to a cluster that refuses writes counted it available"
             out = await run_burst(settings.kafka.options(), catalog,
                                   make_requests(4, seed=9, prefix="fuller", max_tokens=4), timeout_s=120)
             assert all(isinstance(o.final, DoneReply) and o.final.unchecked and not o.problems for o in out.values())
