@@ -33,7 +33,7 @@ from loadgen.burst import ReplyReader
 from schemas import DoneReply, ErrorReply
 from schemas.events import BackfillResult
 from worker.backfill_range import resolve, true_end
-from worker.intake import UNPARSEABLE
+from worker.unparseable import UNPARSEABLE, RecordRef, read_one_at_a_time
 from worker.offsets import OffsetTracker
 
 JOB_HEADER = "x-sluice-backfill"
@@ -289,7 +289,7 @@ class Backfill:
                         await slots.acquire()
                         if self.stop.is_set():
                             return
-                        if isinstance(rec, Unreadable):
+                        if isinstance(rec, RecordRef):
                             await emit(rec.partition, rec.offset, self._unreadable_result(rec))
                         else:
                             await self._submit(producer, rec, pending, emit)
@@ -326,7 +326,7 @@ class Backfill:
             await producer.stop()
             await reader.stop()
 
-    def _unreadable_result(self, rec: Unreadable) -> BackfillResult:
+    def _unreadable_result(self, rec: RecordRef) -> BackfillResult:
         return BackfillResult(event_id=f"{rec.partition}:{rec.offset}", topic=self.job.source, partition=rec.partition,
                               offset=rec.offset, template=self.job.template, error_code="invalid_request",
                               error=f"the Kafka client could not read this source record: {rec.error!r}"[:512])
@@ -357,36 +357,15 @@ class Backfill:
                             headers=self.signer.headers(rid.encode(), value) if self.signer else [])
 
 
-@dataclass(frozen=True)
-class Unreadable:
-    """A source record the Kafka client cannot parse (a header key that is not UTF-8, a batch it
-    cannot decode): it gets an error result like any record that is not an event."""
-
-    partition: int
-    offset: int
-    error: BaseException
-
-
 async def read_one_by_one(consumer, tps: list, tracker: OffsetTracker, done: dict[int, int]) -> dict:
     """After a fetch failed to parse: each partition from its first record not yet taken, one record
-    at a time, with an `Unreadable` for each record that cannot be parsed. A fetch that fails hands out
+    at a time, with a `RecordRef` for each record that cannot be parsed. A fetch that fails hands out
     nothing of any partition, so without this one record would stop the job at every run."""
     out: dict = {}
     for tp in tps:
         start = tracker.next_offset(tp)
         consumer.seek(tp, done[tp.partition] if start is None else start)
-        for _ in range(256):
-            try:
-                recs = await consumer.getmany(tp, timeout_ms=200, max_records=1)
-            except UNPARSEABLE as exc:
-                offset = await consumer.position(tp)
-                out.setdefault(tp, []).append(Unreadable(tp.partition, offset, exc))
-                consumer.seek(tp, offset + 1)
-                continue
-            if not recs:
-                break
-            for part, records in recs.items():
-                out.setdefault(part, []).extend(records)
+        await read_one_at_a_time(consumer, tp, 256, 200, out)
     return out
 
 

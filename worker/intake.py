@@ -29,41 +29,25 @@ import uuid
 
 import structlog
 from aiokafka import TopicPartition
-from aiokafka.errors import CorruptRecordException, KafkaError, UnsupportedCodecError
+from aiokafka.errors import KafkaError
 
 from schemas import BadRequest, ErrorCode, RequestCodec
 from topics import Topic
 from worker import metrics
 from worker.runner import Job
 from worker.tenancy import Tenancy, Unauthenticated
+from worker.unparseable import UNPARSEABLE, RecordRef, read_one_at_a_time
 
 log = structlog.get_logger("sluice.intake")
 MAX_REJECTS_IN_FLIGHT = 256
 # How long a loop with nothing to read waits for records. The consumer's fetches wake it as soon as
 # records arrive, so a longer wait costs no latency; a shorter one only spends CPU waking for nothing.
 IDLE_WAIT_MS = 1000
-# What a Kafka client raises for a record it cannot parse. A batch compressed with a codec the
-# client cannot decode (an unknown codec id) fails every fetch that reaches it, and with it every
-# partition of that fetch, until each of its records is dead-lettered.
-UNPARSEABLE = (UnicodeDecodeError, CorruptRecordException, UnsupportedCodecError)
 
 
 def loop_name(topic: Topic) -> str:
     """An intake loop's name (liveness, pauses, its task): the class, plus the tenant of a tenant-dedicated topic."""
     return topic.latency_class if topic.tenant is None else f"{topic.latency_class}/{topic.tenant}"
-
-
-class RecordRef:
-    """A record known by its coordinates only: one the client could not parse (`error` set), or a
-    job's record when a rejection has no record object at hand."""
-
-    def __init__(self, topic: str, partition: int, offset: int, error: BaseException | None = None,
-                 key: bytes | None = None):
-        self.topic, self.partition, self.offset = topic, partition, offset
-        self.key, self.value = key, None
-        self.headers = ()
-        self.timestamp = 0
-        self.error = error
 
 
 class Intake:
@@ -158,18 +142,7 @@ class Intake:
                 await self.consumer.seek_to_beginning(tp)
             else:
                 self.consumer.seek(tp, start)
-            for _ in range(room):
-                try:
-                    recs = await self.consumer.getmany(tp, timeout_ms=self.poll_ms, max_records=1)
-                except UNPARSEABLE as exc:
-                    offset = await self.consumer.position(tp)
-                    got.setdefault(tp, []).append(RecordRef(tp.topic, tp.partition, offset, exc))
-                    self.consumer.seek(tp, offset + 1)
-                    continue
-                if not recs:
-                    break
-                for part, records in recs.items():
-                    got.setdefault(part, []).extend(records)
+            await read_one_at_a_time(self.consumer, tp, room, self.poll_ms, got)
 
     async def _rewind(self, tp) -> None:
         committed = await self.consumer.committed(tp)
