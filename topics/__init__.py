@@ -38,6 +38,16 @@ class Topic(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     batch_size: Annotated[int, Meta(ge=1)] = 64
 
 
+    @property
+    def retention_ms(self) -> int | None:
+        """How long the broker keeps the topic's records (`retention.ms`); None when unbounded or unset."""
+        try:
+            ms = int(self.config.get("retention.ms", ""))
+        except ValueError:
+            return None
+        return ms if ms > 0 else None
+
+
 class Catalog(Struct, frozen=True):
     topic: list[Topic]
 

@@ -38,7 +38,7 @@ class Dispatcher:
 
     def add(self, cls: str, job: Job) -> None:
         self._live.setdefault(job.tenant, set()).add(id(job))
-        self.scheduler.add(cls, job, job.timestamp_ms, job.request.deadline_ms)
+        self.scheduler.add(cls, job, job.arrived_ms, job.request.deadline_ms)
 
     def tenant_in_flight(self, tenant: str) -> int:
         return len(self._live.get(tenant, ()))
@@ -154,7 +154,7 @@ class Dispatcher:
         if exc is None:
             if job is not None:  # answered: its latency steers the caps of the classes below (admission "slo")
                 now_ms = int(time.time() * 1000)
-                self.scheduler.observe(cls, now_ms - job.timestamp_ms, now_ms)
+                self.scheduler.observe(cls, now_ms - job.arrived_ms, now_ms)
             self.tracker.finish(tp, offset)
             return
         if isinstance(exc, Fenced):

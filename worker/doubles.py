@@ -28,12 +28,14 @@ class MemoryBroker:
         self.committed: dict[TopicPartition, int] = {}
         self.appended = asyncio.Event()
 
-    def append(self, topic: str, value, key=None, headers=(), partition: int | None = None) -> ConsumerRecord:
+    def append(self, topic: str, value, key=None, headers=(), partition: int | None = None,
+               timestamp_ms: int | None = None) -> ConsumerRecord:
         if partition is None:
             partition = (zlib.crc32(key) % self.partitions) if key else 0
         tp = TopicPartition(topic, partition)
         log = self.logs[tp]
-        rec = ConsumerRecord(topic, partition, len(log), int(time.time() * 1000), 0, key, value, None,
+        stamp = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+        rec = ConsumerRecord(topic, partition, len(log), stamp, 0, key, value, None,
                              len(key or b""), len(value or b""), tuple(headers or ()))
         log.append(rec)
         self.appended.set()

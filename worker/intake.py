@@ -43,6 +43,20 @@ MAX_REJECTS_IN_FLIGHT = 256
 # How long a loop with nothing to read waits for records. The consumer's fetches wake it as soon as
 # records arrive, so a longer wait costs no latency; a shorter one only spends CPU waking for nothing.
 IDLE_WAIT_MS = 1000
+# How far ahead of the worker's clock a producer's clock may run before its timestamps are not believed.
+CLOCK_SKEW_MS = 60_000
+
+
+def arrival_ms(stamp: int, now_ms: int, retention_ms: int | None) -> tuple[int, bool]:
+    """When a record arrived, for its place in its class's queue and its latency, and whether its
+    timestamp was believed. CreateTime is the producer's to set: a timestamp of 0 would put a record
+    ahead of every other of its class and add decades to the latency histograms. A timestamp older
+    than the topic keeps records, or further ahead than clock skew explains, gives way to the read
+    time; one slightly ahead is taken as now."""
+    oldest = now_ms - retention_ms if retention_ms else 1
+    if stamp < oldest or stamp > now_ms + CLOCK_SKEW_MS:
+        return now_ms, False
+    return min(stamp, now_ms), True
 
 
 def loop_name(topic: Topic) -> str:
@@ -172,8 +186,11 @@ class Intake:
             refused = self.tenancy.reply_to_refused(tenant, request.reply_to)
             if refused is not None:  # answered on the default reply topic, never on the refused one
                 raise BadRequest(ErrorCode.INVALID_REQUEST, refused, request.id, tenant=tenant)
+            arrived, believed = arrival_ms(record.timestamp, int(time.time() * 1000), topic.retention_ms)
+            if not believed:
+                metrics.untrusted_timestamps.labels(cls).inc()
             return Job(request, cls, topic.priority, request.reply_to or self.default_reply_topic,
-                       tp, record.offset, record.timestamp, tenant=tenant)
+                       tp, record.offset, record.timestamp, tenant=tenant, arrived_ms=arrived)
         except Unauthenticated as exc:
             # No reply: the address in an unauthenticated record is not trusted. The DLQ keeps the bytes.
             metrics.unauthenticated.labels(cls).inc()

@@ -58,6 +58,10 @@ class Histogram(_CachedLabels, prometheus_client.Histogram):
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 records_consumed = Counter("sluice_records_consumed_total", "Request records read", ["class"], registry=REGISTRY)
+untrusted_timestamps = Counter(
+    "sluice_untrusted_timestamps_total", "Request records whose timestamp cannot be true (before the topic's "
+    "retention, or ahead of the worker's clock by more than the allowed skew): timed from when they were read",
+    ["class"], registry=REGISTRY)
 requests_completed = Counter(
     "sluice_requests_completed_total", "Requests answered, by outcome (finish reason or error code)",
     ["class", "outcome"], registry=REGISTRY,
@@ -212,7 +216,7 @@ UNSEALABLE_REASONS = ("not_sealed", "corrupt", "unknown_key", "forged")
 
 def start_series(classes) -> None:
     for cls in classes:
-        for family in (records_consumed, tokens_generated, prompt_tokens, suspended, resumed, duplicates,
+        for family in (records_consumed, untrusted_timestamps, tokens_generated, prompt_tokens, suspended, resumed, duplicates,
                        waiting, in_engine, admission_cap, paused_partitions, time_to_first_token, end_to_end, inter_token):
             family.labels(cls)
         unauthenticated.labels(cls)

@@ -110,7 +110,7 @@ class Replies:
         metrics.requests_completed.labels(cls, outcome).inc()
         metrics.tenant_requests.labels(metrics.tenant_label(job.tenant), outcome).inc()
         now = time.time()
-        metrics.end_to_end.labels(cls).observe(max(0.0, now - job.timestamp_ms / 1000))
+        metrics.end_to_end.labels(cls).observe(max(0.0, now - job.arrived_ms / 1000))
         job.observe_stages(now)
         log.info("request_answered", request_id=job.request.id, cls=cls, outcome=outcome, segments=job.segments)
 

@@ -37,7 +37,7 @@ class Job:
     reply_to: str
     tp: object
     offset: int
-    timestamp_ms: int  # record timestamp: when the producer published it
+    timestamp_ms: int  # record timestamp: when the producer says it published it (the audit keeps it)
     # progress, kept across suspensions
     prompt_ids: list[int] | None = None
     generated: list[int] = field(default_factory=list)
@@ -64,12 +64,19 @@ class Job:
     read_at: float = field(default_factory=time.time)
     engine_at: float | None = None
     engine_done_at: float | None = None
+    # when the request arrived, for its place in its class's queue and its latency: the record timestamp
+    # unless that cannot be true (worker/intake.py: arrival_ms)
+    arrived_ms: int | None = None
+
+    def __post_init__(self):
+        if self.arrived_ms is None:
+            self.arrived_ms = self.timestamp_ms
 
     def observe_stages(self, now: float) -> None:
         """Where this request's end-to-end time went (`sluice_stage_seconds`); only for requests that ran."""
         if self.engine_at is None or self.engine_done_at is None:
             return
-        marks = (self.timestamp_ms / 1000, self.read_at, self.engine_at, self.engine_done_at, now)
+        marks = (self.arrived_ms / 1000, self.read_at, self.engine_at, self.engine_done_at, now)
         for stage, start, end in zip(metrics.STAGES, marks, marks[1:]):
             metrics.stage_seconds.labels(self.latency_class, stage).observe(max(0.0, end - start))
 
@@ -277,7 +284,7 @@ class Runner:
             if delta.token_ids:
                 now = time.monotonic()
                 if not job.generated:
-                    metrics.time_to_first_token.labels(cls).observe(max(0.0, time.time() - job.timestamp_ms / 1000))
+                    metrics.time_to_first_token.labels(cls).observe(max(0.0, time.time() - job.arrived_ms / 1000))
                 elif last_tokens_at is not None:
                     metrics.inter_token.labels(cls).observe((now - last_tokens_at) / len(delta.token_ids))
                 last_tokens_at = now

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import msgspec
 import pytest
@@ -248,3 +249,55 @@ async def test_compressed_batches_are_answered_and_one_the_client_cannot_decode_
     assert coords == [(topic, 0, o) for o in offsets["lz4"]]
     assert all("lz4" in dlq.parse(r.headers)[dlq.ERROR_MESSAGE] for r in dead)
     assert sum((await committed_offsets(settings, f"{group_id}-lz", {topic})).values()) == 12
+
+
+async def _timestamps_at(settings, sent: dict) -> dict:
+    """{name: the timestamp the broker returns} for records known by their send metadata."""
+    consumer = AIOKafkaConsumer(**settings.kafka.options(), enable_auto_commit=False)
+    await consumer.start()
+    out = {}
+    try:
+        for name, meta in sent.items():
+            tp = TopicPartition(meta.topic, meta.partition)
+            consumer.assign([tp])
+            consumer.seek(tp, meta.offset)
+            recs = (await consumer.getmany(tp, timeout_ms=5000, max_records=1)).get(tp, [])
+            out[name] = recs[0].timestamp if recs else None
+    finally:
+        await consumer.stop()
+    return out
+
+
+async def test_a_record_stamped_0_or_an_hour_ahead_is_answered_and_timed_from_when_it_was_read(
+        settings, catalog, engine, group_id):
+    """A plain Kafka client may set any CreateTime. The broker keeps it; the worker answers the
+    request, counts the timestamp as untrusted and times the request from when it read it, so the
+    latency histograms do not gain 56 years (or lose an hour)."""
+    from worker import metrics
+
+    def sample(name):
+        return metrics.REGISTRY.get_sample_value(name, {"class": "realtime"}) or 0.0
+
+    topic = catalog.request_topic("realtime").name
+    now_ms = int(time.time() * 1000)
+    stamps = {"ts-zero": 0, "ts-ahead": now_ms + 3_600_000}
+    e2e, untrusted = sample("sluice_end_to_end_seconds_sum"), sample("sluice_untrusted_timestamps_total")
+    reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
+    await reader.start()
+    try:
+        async with running_worker(settings, catalog, engine, group_id=group_id):
+            producer = AIOKafkaProducer(**settings.kafka.options())
+            await producer.start()
+            try:
+                kept = {rid: await (await producer.send(topic, J({"id": rid, "prompt": "Say hi", "max_tokens": 2}),
+                                                       key=rid.encode(), timestamp_ms=stamp))
+                        for rid, stamp in stamps.items()}
+            finally:
+                await producer.stop()
+            finals = await _finals(reader, list(stamps))
+    finally:
+        await reader.stop()
+    assert await _timestamps_at(settings, kept) == stamps  # the broker kept what the client set
+    assert all(isinstance(finals.get(rid), DoneReply) for rid in stamps), finals
+    assert sample("sluice_untrusted_timestamps_total") - untrusted == 2
+    assert 0 < sample("sluice_end_to_end_seconds_sum") - e2e < 120

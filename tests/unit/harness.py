@@ -45,8 +45,8 @@ class Memory:
     def worker(self) -> Worker:
         return Worker(self.settings, CATALOG, self.engine, **self.clients())
 
-    def send(self, cls: str, value, key=None, headers=()) -> None:
-        self.broker.append(CATALOG.request_topic(cls).name, value, key, headers)
+    def send(self, cls: str, value, key=None, headers=(), timestamp_ms: int | None = None) -> None:
+        self.broker.append(CATALOG.request_topic(cls).name, value, key, headers, timestamp_ms=timestamp_ms)
 
     def replies(self, everywhere: bool = False) -> list:
         """Reply records on the default reply topic (or on every topic a `reply_to` named)."""

@@ -518,3 +518,46 @@ async def test_once_redis_has_been_away_past_the_wait_later_records_run_at_once(
         assert await until(lambda: "w9" in mem.finals(), timeout=10)
         assert time.monotonic() - sent >= 2.5
     assert all(r.unchecked for rid in ("w1", "w2", "w3", "w4", "w9") for r in mem.finals()[rid])
+
+
+@pytest.mark.parametrize("stamp, believed, arrived", [
+    (90_000, True, 90_000),       # an ordinary record: its own timestamp
+    (100_000, True, 100_000),     # read the moment it was produced
+    (130_000, True, 100_000),     # a producer's clock a little ahead: now
+    (160_001, False, 100_000),    # further ahead than clock skew explains
+    (0, False, 100_000),          # CreateTime 0
+    (-1, False, 100_000),         # no timestamp (-1)
+    (50_000, True, 50_000),       # as old as the topic keeps records
+    (49_999, False, 100_000),     # older than that
+])
+def test_a_record_timestamp_that_cannot_be_true_gives_way_to_the_read_time(stamp, believed, arrived):
+    from worker.intake import arrival_ms
+    assert arrival_ms(stamp, 100_000, 50_000) == (arrived, believed)
+
+
+async def test_a_producer_set_timestamp_of_zero_neither_jumps_its_class_queue_nor_skews_its_latency():
+    """CreateTime is the producer's to set: a record stamped 0 (or an hour ahead) waits its turn behind
+    records read before it, is timed from when it was read, and the audit keeps what the producer said."""
+    from worker import metrics
+
+    def sample(name):
+        return metrics.REGISTRY.get_sample_value(name, {"class": "batch"}) or 0.0
+
+    e2e, untrusted = sample("sluice_end_to_end_seconds_sum"), sample("sluice_untrusted_timestamps_total")
+    mem = Memory(partitions=1, engine=Gated(), max_num_seqs=1)
+    now_ms = int(time.time() * 1000)
+    async with running(mem):
+        mem.send("batch", J({"id": "held", "prompt": "hold", "max_tokens": 2}), b"held")
+        await asyncio.sleep(0.3)  # holds the engine's only slot (batch's floor is one)
+        mem.send("batch", J({"id": "first", "prompt": "x", "max_tokens": 2}), b"first", timestamp_ms=now_ms - 1000)
+        mem.send("batch", J({"id": "zero", "prompt": "x", "max_tokens": 2}), b"zero", timestamp_ms=0)
+        mem.send("batch", J({"id": "ahead", "prompt": "x", "max_tokens": 2}), b"ahead",
+                 timestamp_ms=now_ms + 3_600_000)
+        await asyncio.sleep(0.3)  # all three read and waiting
+        mem.engine.release.set()
+        assert await until(lambda: len(mem.finals()) == 4)
+    assert list(mem.finals()) == ["held", "first", "zero", "ahead"]
+    assert sample("sluice_untrusted_timestamps_total") - untrusted == 2
+    assert sample("sluice_end_to_end_seconds_sum") - e2e < 30  # not 56 years
+    produced = {a.id: a.produced_ms for a in mem.audit()}
+    assert produced["zero"] == 0 and produced["ahead"] == now_ms + 3_600_000
