@@ -48,7 +48,8 @@ class MemoryBroker:
 class MemoryConsumer:
     """One group member that owns every partition of its topics.
 
-    `fail_next` makes the next `getmany` raise (a client fault); `unreadable` holds
+    `fail_next` makes the next `getmany` raise (a client fault), `failing` every one while it is set
+    (a broker that keeps refusing); `unreadable` holds
     (tp, offset) pairs that raise on read, like a record aiokafka cannot parse.
     """
 
@@ -61,6 +62,7 @@ class MemoryConsumer:
         self._position: dict[TopicPartition, int] = {}
         self.unreadable: set[tuple[TopicPartition, int]] = set()
         self.fail_next: Exception | None = None
+        self.failing: Exception | None = None
         self.commit_error: Exception | None = None
         self.polls = 0
 
@@ -116,6 +118,8 @@ class MemoryConsumer:
         if self.fail_next is not None:
             exc, self.fail_next = self.fail_next, None
             raise exc
+        if self.failing is not None:
+            raise self.failing
         end = time.monotonic() + timeout_ms / 1000
         while True:
             got, budget = {}, max_records or 1 << 30

@@ -29,7 +29,7 @@ import uuid
 
 import structlog
 from aiokafka import TopicPartition
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, KafkaTimeoutError
 
 from schemas import BadRequest, ErrorCode, RequestCodec
 from topics import Topic
@@ -43,6 +43,10 @@ MAX_REJECTS_IN_FLIGHT = 256
 # How long a loop with nothing to read waits for records. The consumer's fetches wake it as soon as
 # records arrive, so a longer wait costs no latency; a shorter one only spends CPU waking for nothing.
 IDLE_WAIT_MS = 1000
+# How long fetches may keep failing with an error the client calls not retriable (the topic's read
+# permission revoked, say) before the loop fails the worker: retrying it would only stall the class
+# behind a green /readyz until the intake stall check (minutes).
+REFUSED_FETCH_LIMIT_S = 3.0
 # How far ahead of the worker's clock a producer's clock may run before its timestamps are not believed.
 CLOCK_SKEW_MS = 60_000
 
@@ -62,6 +66,10 @@ def arrival_ms(stamp: int, now_ms: int, retention_ms: int | None) -> tuple[int, 
 def loop_name(topic: Topic) -> str:
     """An intake loop's name (liveness, pauses, its task): the class, plus the tenant of a tenant-dedicated topic."""
     return topic.latency_class if topic.tenant is None else f"{topic.latency_class}/{topic.tenant}"
+
+
+class FetchRefused(Exception):
+    """The broker keeps refusing a request topic's fetches for a reason retrying will not change."""
 
 
 class Intake:
@@ -86,6 +94,7 @@ class Intake:
         worker failure). A class's shared topic and its tenant-dedicated topics share its queue."""
         cls, loop = topic.latency_class, loop_name(topic)
         self.paused.setdefault(loop, False)
+        refused_since: float | None = None  # when fetches began failing with errors not retriable
         while not self.stopping():
             tps = [tp for tp in self.consumer.assignment() if tp.topic == topic.name]
             if not tps or not self._backpressure(cls, loop, tps) or self.dispatcher.rejects >= MAX_REJECTS_IN_FLIGHT:
@@ -101,8 +110,15 @@ class Intake:
                 # Not stamped as a poll: a fetch that keeps failing trips the intake stall check.
                 metrics.intake_errors.labels(cls, "fetch").inc()
                 log.warning("fetch_failed", cls=cls, topic=topic.name, error=repr(exc), retriable=exc.retriable)
+                # aiokafka marks its own timeouts (a lookup during a broker outage) not retriable; they are
+                retriable = exc.retriable or isinstance(exc, KafkaTimeoutError)
+                refused_since = None if retriable else refused_since or time.monotonic()
+                if refused_since is not None and time.monotonic() - refused_since >= REFUSED_FETCH_LIMIT_S:
+                    raise FetchRefused(f"{topic.name} cannot be read: {exc!r}, not retriable, "
+                                       f"for {REFUSED_FETCH_LIMIT_S:g} s") from exc
                 await asyncio.sleep(0.5)
                 continue
+            refused_since = None
             self.liveness.polled(loop)
             # A rebalance during the fetch: what was read from a revoked partition is the new owner's.
             # If the partition came straight back, the fetch may have read on from the committed offset

@@ -49,8 +49,8 @@ class Supervisor:
             self.fail(f"{name} was cancelled")
         elif task.exception() is not None:
             exc = task.exception()
+            self.fail(f"{name} failed: {exc!r}")  # first: not ready however long the traceback takes to render
             log.error("task_failed", task=name, error=repr(exc), exc_info=exc)
-            self.fail(f"{name} failed: {exc!r}")
         else:
             self.fail(f"{name} ended")
 

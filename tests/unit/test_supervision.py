@@ -11,7 +11,7 @@ import signal
 import time
 
 import pytest
-from aiokafka.errors import KafkaConnectionError
+from aiokafka.errors import KafkaConnectionError, NotLeaderForPartitionError, TopicAuthorizationFailedError
 
 from tests.unit.harness import CATALOG, J, Memory
 from worker import service
@@ -127,6 +127,45 @@ async def test_intake_loop_failure(monkeypatch):
     mem, run = await started_busy(monkeypatch)
     mem.consumer.fail_next = RuntimeError("client bug")
     await run.fails_closed(time.monotonic(), "intake-")
+
+
+async def test_a_topic_the_broker_refuses_to_serve_for_good_fails_the_worker(monkeypatch):
+    """An error the client calls not retriable (read permission revoked) fails the worker within
+    seconds; it used to be retried behind a green /readyz until the intake stall check (300 s)."""
+    import io
+
+    import structlog
+
+    from worker.logs import configure
+
+    configure("info", "json", file=io.StringIO())  # as `sluice worker` logs: the dev console's tracebacks
+    try:                                            # render every frame's locals, for seconds
+        # slow enough that its drain outlasts the limit on refused fetches
+        mem, run = await started_busy(monkeypatch, FakeEngine(token_delay_s=0.2))
+        since = time.monotonic()
+        mem.consumer.failing = TopicAuthorizationFailedError("sluice.requests.standard")
+        await run.fails_closed(since, "cannot be read: TopicAuthorizationFailedError")
+    finally:
+        structlog.reset_defaults()
+
+
+async def test_retriable_fetch_errors_are_ridden_out(monkeypatch):
+    """A leader election's errors, for longer than the limit on errors not retriable, fail nothing."""
+    mem = Memory(engine=FakeEngine())
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    mem.consumer.failing = NotLeaderForPartitionError()
+    await asyncio.sleep(4.5)
+    assert (await http_get(run.port, "/readyz"))[0] == 200 and not run.task.done()
+    mem.consumer.failing = None
+    mem.send("realtime", J({"id": "after", "prompt": "x", "max_tokens": 1}), b"after")
+    for _ in range(200):
+        if "after" in mem.finals():
+            break
+        await asyncio.sleep(0.02)
+    assert "after" in mem.finals()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert await asyncio.wait_for(run.task, 10) == 0
 
 
 async def test_dispatch_failure(monkeypatch):
