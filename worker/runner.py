@@ -147,6 +147,19 @@ class Runner:
         return GenParams(max_tokens=max_tokens, temperature=request.temperature, top_p=request.top_p,
                          seed=request.seed, stop=tuple(request.stop or ()), logprob_token_ids=label_ids)
 
+    def unusable_templates(self) -> dict[str, str]:
+        """At start: {template name: why requests naming it will be refused} for each template file that
+        is invalid or whose turns this model's chat template refuses. Logged, not fatal: the other
+        templates, and every other kind of request, still work."""
+        out = {}
+        for name in self.templates.names():
+            try:
+                template = self.templates.get(name)
+                self.engine.render_ids("x", template.chat, template.system)
+            except (TemplateError, ChatRefused) as exc:
+                out[name] = str(exc)[:300]
+        return out
+
     def prepare_score(self, job: Job) -> None:
         """Render the event through its template; find the token that stands for each label."""
         req = job.request
@@ -156,7 +169,11 @@ class Runner:
         except TemplateError as exc:
             raise Rejected(ErrorCode.INVALID_REQUEST, str(exc)) from None
         job.labels = list(req.labels or template.labels)
-        job.prompt_ids = self.engine.render_ids(text, template.chat, template.system)
+        try:
+            job.prompt_ids = self.engine.render_ids(text, template.chat, template.system)
+        except ChatRefused as exc:  # the template's turns (a system prompt, say) are not this model's
+            raise Rejected(ErrorCode.INVALID_REQUEST,
+                           f"template `{template.name}` cannot be used with this model: {exc}") from None
         firsts: dict[int, str] = {}
         for label, ids in zip(job.labels, self.engine.label_ids(job.labels, template.chat)):
             if not ids:

@@ -203,6 +203,8 @@ class Worker:
                     await stop()
             raise
         metrics.engine_up.set(1)
+        for name, reason in self.runner.unusable_templates().items():
+            log.warning("template_unusable", template=name, reason=reason)  # its requests: invalid_request
         self._gc_thresholds = freeze_heap(s.ops.gc_young_threshold)
         sup = self.supervisor
         sup.watch("answer-writer", getattr(self.answers, "writer", None))

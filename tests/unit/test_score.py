@@ -115,3 +115,27 @@ async def test_pages_are_saved_for_requests_long_enough_to_be_worth_it(save_min_
     req = Request(id="p1", prompt="twelve bytes", max_tokens=max_tokens)
     await runner.serve(Job(req, "standard", 5, "replies", None, 0, 0))
     assert [p.save_pages for p in engine.params] == [saved]
+
+
+class NoSystemRole(FakeEngine):
+    """A model whose chat template refuses a system turn (as Gemma's and Mistral's first ones do)."""
+
+    def render_ids(self, text, chat, system):
+        from worker.prompt_tokens import ChatRefused
+        if chat and system:
+            raise ChatRefused("System role not supported")
+        return super().render_ids(text, chat, system)
+
+
+async def test_a_template_whose_system_prompt_the_model_refuses_is_a_bad_request_named_at_start():
+    """The request is answered `invalid_request` naming the template and the model's reason (it was
+    `internal`, with a traceback), and the worker names the template when it starts."""
+    engine, out = NoSystemRole(), Collect()
+    runner = Runner(engine, out, NoAnswers(), Limits(), running=lambda: True)
+    assert set(runner.unusable_templates()) == {"fraud"}
+    assert "System role not supported" in runner.unusable_templates()["fraud"]
+    await runner.serve(Job(Request(id="s9", kind="score", template="fraud", event=EVENT), "realtime", 0, "replies",
+                           None, 0, 0))
+    assert isinstance(out.answer, ErrorReply) and out.answer.code == ErrorCode.INVALID_REQUEST
+    assert "template `fraud`" in out.answer.message and "System role not supported" in out.answer.message
+    assert Runner(FakeEngine(), out, NoAnswers(), Limits(), running=lambda: True).unusable_templates() == {}
