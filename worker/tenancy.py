@@ -63,9 +63,11 @@ class Unauthenticated(ValueError):
 
 class Tenancy:
     def __init__(self, mode: str, tenant: str, tenants: dict[str, TenantPolicy], default_reply_topic: str,
-                 reply_to: str = ""):
+                 reply_to: str = "", closed: frozenset[str] = frozenset()):
         self.mode, self.single = mode, tenant
         self.default_reply_topic = default_reply_topic
+        # the workers' own request, dead-letter and audit topics: no pattern opens them to replies
+        self.closed = closed
         self.policies = dict(tenants)
         self._reply_to: dict[str, re.Pattern | None] = {}
         self._keys: dict[str, dict[str, bytes]] = {}
@@ -88,7 +90,7 @@ class Tenancy:
             raise TenancyError("tenancy_mode signed needs signing_keys for at least one tenant in the tenants file")
 
     @classmethod
-    def from_settings(cls, settings, default_reply_topic: str) -> "Tenancy":
+    def from_settings(cls, settings, default_reply_topic: str, closed: frozenset[str] = frozenset()) -> "Tenancy":
         tenants = {}
         if settings.tenants_file:
             path = settings.tenants_file
@@ -98,7 +100,7 @@ class Tenancy:
                 raise TenancyError(f"tenants file {path} not found (SLUICE_TENANCY_TENANTS_FILE)") from None
             except (tomllib.TOMLDecodeError, msgspec.ValidationError) as exc:
                 raise TenancyError(f"tenants file {path}: {exc}") from None
-        return cls(settings.mode, settings.tenant, tenants, default_reply_topic, settings.reply_to)
+        return cls(settings.mode, settings.tenant, tenants, default_reply_topic, settings.reply_to, closed)
 
     def tenant_of(self, record, request, topic=None) -> str:
         """The authenticated tenant of a decoded record, or `Unauthenticated` naming why not."""
@@ -128,6 +130,8 @@ class Tenancy:
         """Why `reply_to` may not be used by `tenant`, or None when it may."""
         if reply_to is None or reply_to == self.default_reply_topic:
             return None
+        if reply_to in self.closed:  # replies there would be read again as requests, or pose as dead letters
+            return f"reply_to {reply_to!r} is one of the workers' own request, dead-letter or audit topics"
         pattern = self._reply_to.get(tenant, self._default_pattern)
         if pattern is not None and pattern.fullmatch(reply_to):
             return None

@@ -71,6 +71,12 @@ def thaw_heap(thresholds: tuple[int, int, int]) -> None:
     gc.set_threshold(*thresholds)
 
 
+def closed_topics(catalog: Catalog) -> frozenset[str]:
+    """Topics no request may name as its `reply_to`, whatever the tenancy pattern allows."""
+    return frozenset([*(t.name for t in catalog.requests), catalog.dlq.name,
+                      *([catalog.audit.name] if catalog.audit else [])])
+
+
 def class_policy(topic: Topic) -> ClassPolicy:
     return ClassPolicy(topic.latency_class, topic.priority, topic.max_in_engine, topic.contended_in_engine,
                        topic.min_in_engine, topic.max_waiting, topic.window_ms, topic.batch_size, topic.slo_ms)
@@ -153,7 +159,7 @@ class Worker:
         self.intake = Intake(self.consumer, RequestCodec(settings.limits), self.tracker, self.dispatch, self.replies,
                              self.answers, self.liveness, catalog.replies.name, settings.kafka.fetch_max_wait_ms,
                              stopping=lambda: self.supervisor.stopping, redis_wait_s=settings.redis.lookup_wait_s,
-                             tenancy=Tenancy.from_settings(settings.tenancy, catalog.replies.name))
+                             tenancy=Tenancy.from_settings(settings.tenancy, catalog.replies.name, closed_topics(catalog)))
         self.replies.worker_name = self.intake.owner_id
         self.replies.charge = self.intake.tenancy.rates.charge
         self.commits = Commits(self.consumer, self.tracker, settings.group.commit_interval_ms / 1000,

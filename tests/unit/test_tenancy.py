@@ -265,3 +265,25 @@ def test_a_producer_signer_from_a_key_file_makes_records_the_worker_verifies(ten
     key_file.write_text("not base64!")
     with pytest.raises(ValueError, match="signing key file"):
         Signer.from_key_file("acme", str(key_file))
+
+
+async def test_no_reply_to_pattern_opens_the_workers_own_topics():
+    """An operator's pattern broad enough to match everything (`.*`) still never lets a request send
+    its replies into a request topic (they would be read again as requests), the dead-letter topic
+    or the audit topic: refused `invalid_request` on the default reply topic, nothing written there."""
+    own = [CATALOG.request_topic("realtime").name, CATALOG.request_topic("batch").name, CATALOG.dlq.name,
+           CATALOG.audit.name]
+    mem = Memory(partitions=1, tenancy_reply_to=".*")
+    for i, topic in enumerate(own):
+        mem.send("standard", J({"id": f"loop{i}", "prompt": "x", "max_tokens": 2, "reply_to": topic}), f"loop{i}".encode())
+    mem.send("standard", J({"id": "open", "prompt": "x", "max_tokens": 2, "reply_to": "team.replies"}), b"open")
+    async with running(mem):
+        assert await until(mem.all_committed)
+    for i, topic in enumerate(own):
+        [refused] = mem.finals()[f"loop{i}"]
+        assert isinstance(refused, ErrorReply) and refused.code == ErrorCode.INVALID_REQUEST
+        assert "own request, dead-letter or audit" in refused.message
+    assert len(mem.broker.records(own[0])) == 0 and len(mem.broker.records(own[1])) == 0
+    assert not mem.broker.records(CATALOG.dlq.name)
+    assert {a.id for a in mem.audit()} >= {"open", "loop0"}  # the audit topic holds audit records only
+    assert isinstance(mem.finals(everywhere=True)["open"][0], DoneReply)  # the pattern opens other topics
