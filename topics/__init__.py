@@ -37,7 +37,6 @@ class Topic(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     window_ms: Annotated[int, Meta(ge=0)] = 0
     batch_size: Annotated[int, Meta(ge=1)] = 64
 
-
     @property
     def retention_ms(self) -> int | None:
         """How long the broker keeps the topic's records (`retention.ms`); None when unbounded or unset."""

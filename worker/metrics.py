@@ -216,8 +216,9 @@ UNSEALABLE_REASONS = ("not_sealed", "corrupt", "unknown_key", "forged")
 
 def start_series(classes) -> None:
     for cls in classes:
-        for family in (records_consumed, untrusted_timestamps, tokens_generated, prompt_tokens, suspended, resumed, duplicates,
-                       waiting, in_engine, admission_cap, paused_partitions, time_to_first_token, end_to_end, inter_token):
+        for family in (records_consumed, untrusted_timestamps, tokens_generated, prompt_tokens, suspended, resumed,
+                       duplicates, waiting, in_engine, admission_cap, paused_partitions, time_to_first_token,
+                       end_to_end, inter_token):
             family.labels(cls)
         unauthenticated.labels(cls)
         for stage in STAGES:
