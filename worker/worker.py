@@ -190,6 +190,9 @@ class Worker:
 
     async def start(self) -> None:
         s = self.settings
+        # before any client starts: nothing here may leave one running
+        for name, reason in self.runner.unusable_templates().items():
+            log.warning("template_unusable", template=name, reason=reason)  # its requests: invalid_request
         started = []  # each client's stop, listed before its start: a stop also closes a half-done start
         try:
             started.append(self.answers.stop)
@@ -209,8 +212,6 @@ class Worker:
                     await stop()
             raise
         metrics.engine_up.set(1)
-        for name, reason in self.runner.unusable_templates().items():
-            log.warning("template_unusable", template=name, reason=reason)  # its requests: invalid_request
         self._gc_thresholds = freeze_heap(s.ops.gc_young_threshold)
         sup = self.supervisor
         sup.watch("answer-writer", getattr(self.answers, "writer", None))

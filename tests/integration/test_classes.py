@@ -23,6 +23,9 @@ class RecordingEngine:
         self.max_model_len = engine.max_model_len
         self.started: list[str] = []
 
+    def __getattr__(self, name):  # everything else is the real engine's
+        return getattr(self._engine, name)
+
     def prompt_ids(self, request):
         return self._engine.prompt_ids(request)
 

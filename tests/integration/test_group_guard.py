@@ -70,7 +70,8 @@ async def test_a_clean_stop_stands_the_guard_down(settings, catalog, tmp_path):
     the session timeout."""
     proc, survivor, partitions = await _worker_and_survivor(settings, catalog, tmp_path)
     try:
-        guards = subprocess.run(["pgrep", "-f", "worker.group_guard"], capture_output=True, text=True).stdout.split()
+        guards = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "worker.group_guard"],  # this worker's
+                                capture_output=True, text=True).stdout.split()
         assert guards, "no guard process is running beside the worker"
         proc.send_signal(signal.SIGTERM)
         rc = await asyncio.to_thread(proc.wait, 60)

@@ -146,7 +146,7 @@ async def test_ids_are_per_tenant_and_forged_or_clear_answers_and_progress_are_n
         assert rejected("progress", "not_sealed") == before + 1
 
         # reply_to outside the tenant's allow-list: refused on the default reply topic
-        refused = await ask("acme", {"id": f"rt-{group_id}", "prompt": "x", "reply_to": catalog.request_topic("batch").name})
+        refused = await ask("acme", {"id": f"rt-{group_id}", "prompt": "x", "reply_to": "globex.replies"})
         assert isinstance(refused, ErrorReply) and refused.code == ErrorCode.INVALID_REQUEST
         assert "not allowed" in refused.message
     redis.close()
