@@ -134,6 +134,9 @@ class RequestCodec:
                 return bad, "`prompt` is empty"
             if r.messages is not None and not r.messages:
                 return bad, "`messages` is empty"
+            if r.event is not None or r.template is not None or r.labels is not None:
+                # most likely a score request that left out `kind`: text instead of scores would be a silent surprise
+                return bad, "`event`, `template` and `labels` belong to score requests (`\"kind\": \"score\"`)"
         elif r.kind == "score":
             if r.prompt is not None or r.messages is not None:
                 return bad, "score takes `event` and `template`, not `prompt` or `messages`"
