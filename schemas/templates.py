@@ -90,4 +90,7 @@ def load_file(path: Path) -> Template:
                             f"known: {', '.join(EVENT_SCHEMAS)}")
     if len(set(template.labels)) < 2:
         raise TemplateError(f"template file {path}: needs at least two distinct labels")
+    if template.system is not None and not template.chat:
+        # a plain-text prompt has no turn to put it in: it would be dropped without a word
+        raise TemplateError(f"template file {path}: `system` needs `chat = true`")
     return template

@@ -55,3 +55,6 @@ def test_broken_template_file_is_an_error_not_a_crash(tmp_path):
         Templates(tmp_path).get("bad")
     with pytest.raises(TemplateError, match="invalid"):
         Templates(tmp_path).get("worse")
+    (tmp_path / "plain.toml").write_text('prompt = "x {id}"\nchat = false\nsystem = "You are careful."\n')
+    with pytest.raises(TemplateError, match="`system` needs `chat = true`"):
+        Templates(tmp_path).get("plain")
