@@ -169,11 +169,7 @@ class Runner:
         except TemplateError as exc:
             raise Rejected(ErrorCode.INVALID_REQUEST, str(exc)) from None
         job.labels = list(req.labels or template.labels)
-        try:
-            job.prompt_ids = self.engine.render_ids(text, template.chat, template.system)
-        except ChatRefused as exc:  # the template's turns (a system prompt, say) are not this model's
-            raise Rejected(ErrorCode.INVALID_REQUEST,
-                           f"template `{template.name}` cannot be used with this model: {exc}") from None
+        job.prompt_ids = self.engine.render_ids(text, template.chat, template.system)
         firsts: dict[int, str] = {}
         for label, ids in zip(job.labels, self.engine.label_ids(job.labels, template.chat)):
             if not ids:
@@ -202,14 +198,15 @@ class Runner:
                 if job.progress is None and _passed(req):
                     raise Rejected(ErrorCode.DEADLINE_EXCEEDED,
                                    f"deadline {req.deadline_ms} passed before the request ran")
-                if req.kind == "score":
-                    self.prepare_score(job)
-                else:
-                    try:
+                try:
+                    if req.kind == "score":
+                        self.prepare_score(job)
+                    else:
                         job.prompt_ids = self.engine.prompt_ids(req)
-                    except ChatRefused as exc:
-                        raise Rejected(ErrorCode.INVALID_REQUEST,
-                                       f"the model's chat template refused these messages: {exc}") from None
+                except ChatRefused as exc:  # the producer's messages, or the template's turns, are not this model's
+                    what = f"template `{req.template}`" if req.kind == "score" else "these messages"
+                    raise Rejected(ErrorCode.INVALID_REQUEST,
+                                   f"the model's chat template refused {what}: {exc}") from None
                 if job.progress is not None:
                     await self._resume(job)
             if job.generated and _passed(req):  # it generated (here, or for an earlier owner), then waited past it
