@@ -14,7 +14,7 @@ import zlib
 from collections import defaultdict
 from types import SimpleNamespace
 
-from aiokafka.errors import MessageSizeTooLargeError
+from aiokafka.errors import MessageSizeTooLargeError, UnknownTopicOrPartitionError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from worker.answers import Progress
@@ -27,6 +27,15 @@ class MemoryBroker:
         self.logs: dict[TopicPartition, list[ConsumerRecord]] = defaultdict(list)
         self.committed: dict[TopicPartition, int] = {}
         self.appended = asyncio.Event()
+        # False: like a broker that does not create topics, only topics `create`d or appended to exist
+        self.auto_create = True
+        self.created: set[str] = set()
+
+    def create(self, *topics: str) -> None:
+        self.created.update(topics)
+
+    def exists(self, topic: str) -> bool:
+        return self.auto_create or topic in self.created or any(tp.topic == topic for tp in self.logs)
 
     def append(self, topic: str, value, key=None, headers=(), partition: int | None = None,
                timestamp_ms: int | None = None) -> ConsumerRecord:
@@ -191,10 +200,15 @@ class MemoryProducer:
         exc = self.fail(topic, value)
         if exc is not None:
             raise exc
+        if not self.broker.exists(topic):  # what aiokafka raises once its metadata wait runs out
+            raise UnknownTopicOrPartitionError(topic)
         size = len(value or b"") + len(key or b"") + sum(len(k) + len(v or b"") for k, v in headers or ())
         if size > self.broker.max_record_bytes:
             raise MessageSizeTooLargeError(f"{size} bytes")
         return self.broker.append(topic, value, key, headers, partition=0)
+
+    async def unusable_topics(self, topics, timeout_s: float) -> dict[str, str]:
+        return {t: "does not exist" for t in topics if not self.broker.exists(t)}
 
     async def send(self, topic, value=None, key=None, headers=None):
         fut = asyncio.get_running_loop().create_future()

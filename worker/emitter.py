@@ -25,6 +25,12 @@ from worker import metrics
 
 log = structlog.get_logger("sluice.emitter")
 
+# A requester's reply topic is looked up once before its request runs (one metadata request, at most
+# this long); one found unusable is remembered this long, so a flood naming it costs no more lookups.
+TOPIC_LOOKUP_S = 2.0
+UNUSABLE_KEPT_S = 10.0
+_UNUSABLE_KEPT = 4096
+
 
 class ReplyOutage(RuntimeError):
     """Replies could not be produced for longer than the configured bound: the worker must stop."""
@@ -55,6 +61,7 @@ class Emitter:
         self.outage_s = outage_s
         self.max_record_bytes = max_record_bytes
         self.failing_since: float | None = None  # monotonic time of the first failure of the current outage
+        self._unusable: dict[str, tuple[float, str]] = {}  # topic -> (until, why)
 
     async def start(self) -> None:
         await self._producer.start()
@@ -69,6 +76,27 @@ class Emitter:
     def outage_for(self) -> float:
         """Seconds since produces started failing (0 while they succeed)."""
         return 0.0 if self.failing_since is None else time.monotonic() - self.failing_since
+
+    async def unusable_reply_topics(self, topics: set[str]) -> dict[str, str]:
+        """Of requesters' `reply_to` topics, those that cannot take replies, with why (missing, say).
+
+        Asked before their requests run, so that a request naming a missing topic is refused at once
+        rather than waiting out the producer's metadata timeout on every record it would send there.
+        """
+        now = time.monotonic()
+        known = {}
+        for topic in topics:
+            until, why = self._unusable.get(topic, (0.0, ""))
+            if until > now:
+                known[topic] = why
+        ask = [t for t in topics if t not in known]
+        found = await self._producer.unusable_topics(ask, TOPIC_LOOKUP_S) if ask else {}
+        if len(self._unusable) + len(found) > _UNUSABLE_KEPT:
+            self._unusable.clear()
+        for topic, why in found.items():
+            self._unusable[topic] = (now + UNUSABLE_KEPT_S, why)
+            log.warning("reply_topic_refused", topic=topic, reason=why)
+        return known | found
 
     @staticmethod
     def _headers(request_id: str) -> list[tuple[str, bytes]]:
@@ -188,13 +216,15 @@ class Emitter:
                 retriable = exc.retriable or (attempts is None and isinstance(exc, KafkaTimeoutError))
                 if not retriable or retry_until is None or not retry_until():
                     raise
-                if self.failing_since is None:
-                    self.failing_since = time.monotonic()
-                if self.outage_for() > self.outage_s:
-                    raise ReplyOutage(f"no reply could be produced for {self.outage_for():.0f} s "
-                                      f"(SLUICE_REPLY_OUTAGE_S={self.outage_s:g}): {exc!r}") from exc
-                if attempts is not None and tries >= attempts:
-                    raise
+                if attempts is not None:  # a requester's topic: its failures are no outage of the worker's
+                    if tries >= attempts:
+                        raise
+                else:
+                    if self.failing_since is None:
+                        self.failing_since = time.monotonic()
+                    if self.outage_for() > self.outage_s:
+                        raise ReplyOutage(f"no reply could be produced for {self.outage_for():.0f} s "
+                                          f"(SLUICE_REPLY_OUTAGE_S={self.outage_s:g}): {exc!r}") from exc
                 log.warning("produce_failed_retrying", topic=topic, error=repr(exc), retriable=exc.retriable)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)

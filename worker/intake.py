@@ -234,6 +234,7 @@ class Intake:
 
     async def _schedule(self, cls: str, jobs: list[Job], generations: dict, loop: str | None = None) -> None:
         """Stored answers are re-sent; progress left by a dead owner rides along; the rest wait for admission."""
+        jobs = await self._refuse_unusable_reply_topics(cls, jobs)
         owners = [f"{self.owner_id}#{next(self._attempts)}" for _ in jobs]
         ids, streamed = [job.state_id for job in jobs], [job.request.stream for job in jobs]
         stored = await self.answers.lookup_many(ids, streamed, owners)
@@ -277,6 +278,28 @@ class Intake:
                                         job.request.id, job.request.reply_to))
         metrics.waiting.labels(cls).set(self.dispatcher.scheduler.waiting(cls))
         self.dispatcher.wake.set()
+
+    async def _refuse_unusable_reply_topics(self, cls: str, jobs: list[Job]) -> list[Job]:
+        """The jobs whose `reply_to` can take replies; the others are answered `invalid_request` on the
+        default reply topic, as a `reply_to` outside the tenant's pattern is."""
+        topics = {job.reply_to for job in jobs if job.reply_to != self.default_reply_topic}
+        if not topics:
+            return jobs
+        try:
+            unusable = await self.replies.emitter.unusable_reply_topics(topics)
+        except Exception:  # noqa: BLE001 - never the end of the loop: sending finds out as before
+            log.exception("reply_topic_lookup_failed", cls=cls)
+            return jobs
+        kept = []
+        for job in jobs:
+            why = unusable.get(job.reply_to)
+            if why is None:
+                kept.append(job)
+                continue
+            ref = RecordRef(job.tp.topic, job.tp.partition, job.offset, key=job.request.id.encode())
+            self._reject(cls, job.tp, ref, BadRequest(ErrorCode.INVALID_REQUEST, f"reply_to {job.reply_to!r} {why}",
+                                                      job.request.id, tenant=job.tenant))
+        return kept
 
     def _backpressure(self, cls: str, loop: str, tps) -> bool:
         """Pause this loop's partitions while its class's waiting queue is full; True when reading."""

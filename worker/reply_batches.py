@@ -22,9 +22,12 @@ import asyncio
 
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from aiokafka.partitioner import DefaultPartitioner, murmur2
+from aiokafka.protocol.metadata import MetadataRequest
 from aiokafka.structs import TopicPartition
 
 _HASHES_KEPT = 16_384
+# Metadata error codes that say a topic cannot take replies, whatever is retried
+_UNUSABLE_TOPIC = {3: "does not exist", 17: "is not a valid topic name", 29: "may not be written by the workers"}
 
 
 class BatchingProducer:
@@ -53,6 +56,32 @@ class BatchingProducer:
         while self._drainers:
             await asyncio.wait(list(self._drainers.values()))
         await self._inner.stop()
+
+    async def unusable_topics(self, topics, timeout_s: float) -> dict[str, str]:
+        """Of `topics`, those the broker says do not exist, or that this client may not write, with why.
+
+        Asked in one metadata request that does not create topics: aiokafka's `send` would ask for
+        the topic's metadata with auto-creation on, and where the broker does not create topics it
+        retries for the whole request timeout (40 s) before every record to a missing topic. A broker
+        that cannot be asked within `timeout_s` names none; sending then finds out as it always did.
+        """
+        client = self._inner.client
+        ask = [t for t in topics if client.cluster.partitions_for_topic(t) is None]
+        node = client.get_random_node() if ask else None
+        if node is None:
+            return {}
+        try:
+            response = await asyncio.wait_for(
+                client.send(node, MetadataRequest(ask, allow_auto_topic_creation=False)), timeout_s)
+        except (KafkaError, asyncio.TimeoutError, OSError):
+            return {}
+        unusable = {}
+        for error_code, topic, *rest in response.topics:
+            if error_code in _UNUSABLE_TOPIC:
+                unusable[topic] = _UNUSABLE_TOPIC[error_code]
+            elif len(rest) == 2 and rest[0] is True:  # v1+: (is_internal, partitions)
+                unusable[topic] = "is one of the broker's internal topics"
+        return unusable
 
     async def send(self, topic, value=None, key=None, headers=None) -> asyncio.Future:
         """Queue one record; the future is done when its batch was delivered (or failed).

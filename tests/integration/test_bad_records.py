@@ -15,7 +15,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from loadgen.burst import ReplyReader, produce
 from schemas import DoneReply, ErrorReply, dlq
-from tests.integration.helpers import committed_offsets, running_worker
+from tests.integration.helpers import committed_offsets, read_topic, running_worker
 from tests.unit.harness import request_id_of
 
 pytestmark = pytest.mark.integration
@@ -301,3 +301,52 @@ async def test_a_record_stamped_0_or_an_hour_ahead_is_answered_and_timed_from_wh
     assert all(isinstance(finals.get(rid), DoneReply) for rid in stamps), finals
     assert sample("sluice_untrusted_timestamps_total") - untrusted == 2
     assert 0 < sample("sluice_end_to_end_seconds_sum") - e2e < 120
+
+
+async def _topic_exists(settings, topic: str) -> bool:
+    """Asked without creating it (a plain metadata request would create it on this broker)."""
+    from aiokafka.protocol.metadata import MetadataRequest
+
+    producer = AIOKafkaProducer(**settings.kafka.options())
+    await producer.start()
+    try:
+        client = producer.client
+        response = await client.send(client.get_random_node(), MetadataRequest([topic], allow_auto_topic_creation=False))
+        return response.topics[0][0] == 0
+    finally:
+        await producer.stop()
+
+
+async def test_a_reply_to_topic_that_does_not_exist_is_refused_and_not_created(settings, catalog, engine, group_id):
+    """A `reply_to` the tenant's pattern allows, naming a topic that does not exist, is refused
+    `invalid_request` on the default reply topic before it runs, and the worker does not create it
+    (on a broker that does not create topics, each of its records would have waited out the
+    producer's metadata timeout; on this one, any request could add topics). A `reply_to` naming an
+    existing topic under the same pattern is answered there."""
+    import uuid
+
+    run = uuid.uuid4().hex[:8]
+    missing, existing = f"probe-{run}.gone", f"probe-{run}.replies"
+    topic = catalog.request_topic("realtime").name
+    producer = AIOKafkaProducer(**settings.kafka.options())
+    await producer.start()
+    reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
+    await reader.start()
+    try:
+        await producer.send_and_wait(existing, b"created by a plain producer")
+        async with running_worker(settings, catalog, engine, group_id=group_id, tenancy_reply_to=r"probe-.*") as w:
+            for rid, reply_to in ((f"gone-{run}", missing), (f"there-{run}", existing)):
+                await producer.send_and_wait(topic, J({"id": rid, "prompt": "Say hi", "max_tokens": 2,
+                                                       "reply_to": reply_to}), key=rid.encode())
+            finals = await _finals(reader, [f"gone-{run}"])
+            answered = await read_topic(settings.kafka.options(), existing, at_least=2)
+            assert w.ready
+    finally:
+        await reader.stop()
+        await producer.stop()
+    refused = finals[f"gone-{run}"]
+    assert isinstance(refused, ErrorReply) and refused.code == "invalid_request", refused
+    assert refused.message == f"reply_to '{missing}' does not exist"
+    assert not await _topic_exists(settings, missing)
+    done = [r for r in answered[1:] if r.value and b'"done"' in r.value]
+    assert len(done) == 1 and done[0].key == f"there-{run}".encode()

@@ -92,3 +92,31 @@ async def test_reply_batches_are_larger_than_aiokafkas_default_and_never_above_t
     finally:
         await big.stop()
         await small.stop()
+
+
+async def test_a_requesters_topic_failing_longer_than_the_outage_bound_is_no_outage_of_the_worker(monkeypatch):
+    """Each try at a requester's missing topic can take the producer's whole metadata timeout (40 s);
+    five of them outlast `SLUICE_REPLY_OUTAGE_S`. That is the requester's topic failing, not the
+    worker's replies: the reply falls back to the default topic and the worker stays up."""
+    import asyncio
+    import time
+
+    from aiokafka.errors import UnknownTopicOrPartitionError
+
+    class SlowMissing(StubProducer):
+        async def send_and_wait(self, topic, value, key=None, headers=None):
+            if topic in self.failures:
+                time.sleep(0.05)  # the metadata wait, shortened
+            return await super().send_and_wait(topic, value, key, headers)
+
+    async def no_sleep(_):
+        return None
+
+    monkeypatch.setattr(asyncio, "sleep", no_sleep)
+
+    em = Emitter(SlowMissing({"team.gone": UnknownTopicOrPartitionError}), "dlq", default_reply_topic="replies",
+                 reply_attempts=5, outage_s=0.1)
+    await em.final("team.gone", DONE, retry_until=lambda: True)
+    assert em._producer.calls["team.gone"] == 5
+    (topic, value, headers), = em._producer.sent
+    assert topic == "replies" and em.codec.decode(value) == DONE and em.outage_for() == 0.0

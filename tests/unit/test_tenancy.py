@@ -9,7 +9,7 @@ import pytest
 
 from schemas import DoneReply, ErrorCode, ErrorReply, Request, dlq
 from schemas.signing import SIGNATURE_HEADER, TENANT_HEADER, signed_headers
-from tests.unit.harness import CATALOG, J, Memory, running, until
+from tests.unit.harness import CATALOG, REPLIES, J, Memory, running, until
 from worker.fake_engine import FakeEngine
 from worker.tenancy import Tenancy, TenancyError, TenantPolicy, Unauthenticated
 
@@ -287,3 +287,29 @@ async def test_no_reply_to_pattern_opens_the_workers_own_topics():
     assert not mem.broker.records(CATALOG.dlq.name)
     assert {a.id for a in mem.audit()} >= {"open", "loop0"}  # the audit topic holds audit records only
     assert isinstance(mem.finals(everywhere=True)["open"][0], DoneReply)  # the pattern opens other topics
+
+
+async def test_a_reply_to_topic_that_does_not_exist_is_refused_before_the_request_runs():
+    """On a broker that does not create topics, a `reply_to` inside the tenant's pattern naming a
+    topic that does not exist would have had every record of its stream wait out the producer's
+    metadata timeout. It is refused `invalid_request` on the default reply topic before it runs;
+    an existing topic under the same pattern is served, and the worker keeps serving."""
+    mem = Memory(partitions=1, tenancy_reply_to=r"team\..*")
+    mem.broker.auto_create = False
+    mem.broker.create(REPLIES, CATALOG.dlq.name, CATALOG.audit.name, "team.replies")
+    for i in range(3):
+        mem.send("standard", J({"id": f"gone{i}", "prompt": "x", "max_tokens": 4, "reply_to": "team.gone"}))
+    mem.send("standard", J({"id": "there", "prompt": "x", "max_tokens": 4, "reply_to": "team.replies"}))
+    mem.send("standard", J({"id": "plain", "prompt": "x", "max_tokens": 4}))
+    async with running(mem) as worker:
+        assert await until(mem.all_committed)
+        assert worker.ready
+    finals = mem.finals()
+    for i in range(3):
+        [refused] = finals[f"gone{i}"]
+        assert isinstance(refused, ErrorReply) and refused.code == ErrorCode.INVALID_REQUEST
+        assert refused.message == "reply_to 'team.gone' does not exist"
+    assert not mem.broker.exists("team.gone") and not [r for r in mem.engine.started if "gone" in r]
+    assert len(mem.engine.started) == 2
+    assert isinstance(mem.finals(everywhere=True)["there"][0], DoneReply)
+    assert isinstance(finals["plain"][0], DoneReply)
