@@ -227,3 +227,46 @@ async def test_stop_hands_over_everything_queued_first(batching):
         await producer.send("replies", str(i).encode(), key=b"k")
     await producer.stop()
     assert stopped == [[b"0", b"1", b"2", b"3", b"4"]]
+
+
+async def test_unusable_topics_are_read_from_a_metadata_request_that_creates_none():
+    """The lookup behind refusing a `reply_to`: a topic the producer knows is not asked about; the
+    others are asked in one request with auto-creation off, and the broker's answer decides. A
+    broker that does not answer names none (the request runs; sending finds out as before)."""
+    from aiokafka.protocol.metadata import MetadataResponse_v5
+
+    inner = AIOKafkaProducer(bootstrap_servers="localhost:1")
+    asked = []
+
+    async def send(node, request):
+        asked.append((node, request))
+        topic = lambda err, name, internal: (err, name, internal, [])  # noqa: E731
+        return MetadataResponse_v5(0, [], "c", 1, [
+            topic(3, "team.gone", False), topic(29, "team.locked", False), topic(17, "team..bad", False),
+            topic(0, "__consumer_offsets", True), topic(0, "team.new", False), topic(5, "team.electing", False)])
+
+    inner.client.cluster.partitions_for_topic = lambda t: {0} if t == "team.known" else None
+    inner.client.get_random_node = lambda: 7
+    inner.client.send = send
+    producer = BatchingProducer(inner)
+    found = await producer.unusable_topics(["team.known", "team.gone", "team.locked", "team..bad",
+                                            "__consumer_offsets", "team.new", "team.electing"], 1.0)
+    assert found == {"team.gone": "does not exist", "team.locked": "may not be written by the workers",
+                     "team..bad": "is not a valid topic name",
+                     "__consumer_offsets": "is one of the broker's internal topics"}
+    [(node, request)] = asked
+    built = request.build(_request_struct(5))
+    assert node == 7 and "team.known" not in built.topics and built.allow_auto_topic_creation is False
+    assert await producer.unusable_topics(["team.known"], 1.0) == {} and len(asked) == 1
+
+    async def silent(node, request):
+        await asyncio.sleep(5)
+
+    inner.client.send = silent
+    assert await producer.unusable_topics(["team.gone"], 0.05) == {}
+
+
+def _request_struct(version: int):
+    from aiokafka.protocol import metadata
+
+    return getattr(metadata, f"MetadataRequest_v{version}")
