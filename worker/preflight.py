@@ -125,8 +125,12 @@ async def eviction_policies(client) -> dict[str, str]:
     return {str(node): (reply or {}).get("maxmemory-policy", "noeviction") for node, reply in replies.items()}
 
 
-async def check_kafka(kafka_settings, timeout_s: float = 15.0) -> None:
-    """The bootstrap must accept a connection with these TLS and SASL settings."""
+async def check_kafka(kafka_settings, topics=(), timeout_s: float = 15.0) -> None:
+    """The bootstrap must accept a connection with these TLS and SASL settings, and `topics` must exist.
+
+    A worker never creates its topics: where the broker creates topics on first use, it would have
+    made them with the broker's partition count; where it does not, the worker would have read
+    nothing and answered no one until its reply outage bound ended it."""
     from aiokafka.admin import AIOKafkaAdminClient
 
     try:
@@ -135,15 +139,22 @@ async def check_kafka(kafka_settings, timeout_s: float = 15.0) -> None:
         raise StartupError(f"SLUICE_KAFKA_SSL_*: {exc.filename or ''} {exc.strerror or exc}".strip()) from None
     admin = AIOKafkaAdminClient(**opts, request_timeout_ms=int(timeout_s * 1000))
     try:
-        async with asyncio.timeout(timeout_s):
-            await admin.start()
-    except Exception as exc:  # noqa: BLE001 - any failure here names the settings
-        what = next((c for c in _chain(exc) if "SSL" in type(c).__name__ or "Sasl" in type(c).__name__
-                     or "Authentication" in type(c).__name__), exc)
-        raise StartupError(f"cannot connect to Kafka at SLUICE_KAFKA_BOOTSTRAP={kafka_settings.bootstrap} with "
-                           f"SLUICE_KAFKA_SECURITY_PROTOCOL={kafka_settings.security_protocol} "
-                           f"({type(what).__name__}: {str(what)[:160]}): check the SLUICE_KAFKA_SSL_* and "
-                           "SLUICE_KAFKA_SASL_* settings") from None
+        try:
+            async with asyncio.timeout(timeout_s):
+                await admin.start()
+                existing = set(await admin.list_topics())  # a metadata request that creates nothing
+        except Exception as exc:  # noqa: BLE001 - any failure here names the settings
+            what = next((c for c in _chain(exc) if "SSL" in type(c).__name__ or "Sasl" in type(c).__name__
+                         or "Authentication" in type(c).__name__), exc)
+            raise StartupError(f"cannot connect to Kafka at SLUICE_KAFKA_BOOTSTRAP={kafka_settings.bootstrap} with "
+                               f"SLUICE_KAFKA_SECURITY_PROTOCOL={kafka_settings.security_protocol} "
+                               f"({type(what).__name__}: {str(what)[:160]}): check the SLUICE_KAFKA_SSL_* and "
+                               "SLUICE_KAFKA_SASL_* settings") from None
+        missing = [t for t in topics if t not in existing]
+        if missing:
+            raise StartupError(f"topics missing on the broker (or not visible to these credentials): "
+                               f"{', '.join(missing)}; create them with `sluice topics apply` (or deploy/'s "
+                               f"KafkaTopic resources) before starting workers")
     finally:
         try:
             await admin.close()
@@ -151,7 +162,7 @@ async def check_kafka(kafka_settings, timeout_s: float = 15.0) -> None:
             pass
 
 
-async def check(settings, default_reply_topic: str) -> dict:
-    check_files(settings, default_reply_topic)
-    await check_kafka(settings.kafka)
+async def check(settings, catalog) -> dict:
+    check_files(settings, catalog.replies.name)
+    await check_kafka(settings.kafka, [t.name for t in catalog.serving(settings.worker.classes.split(",")).topic])
     return {"redis": await check_redis(settings.redis)}

@@ -78,7 +78,7 @@ async def run_worker(settings: Settings, catalog: Catalog, engine=None, on_stopp
 
                 detect_device(settings.engine.device)  # the device first: nothing else matters without it
             try:
-                found = await preflight.check(settings, catalog.replies.name)
+                found = await preflight.check(settings, catalog)
             except preflight.StartupError as exc:
                 log.error("startup_refused", error=str(exc))
                 print(f"sluice: {exc}", file=sys.stderr)

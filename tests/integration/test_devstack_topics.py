@@ -70,3 +70,21 @@ async def test_topics_apply_then_check_reports_drift(stack, settings, tmp_path):
     assert f"drift: {prefix}sluice.dlq: 3 partitions, catalog says 1" in applied.stdout
     again = sluice("topics", "check", env=env)
     assert again.returncode == 1 and "missing" not in again.stdout and "drift" in again.stdout
+
+
+async def test_a_worker_started_before_its_topics_exist_refuses_to_start_and_creates_none(stack, settings, tmp_path):
+    """A worker never creates its topics: it names the missing ones and the fix, and exits 1 before
+    loading its engine. (This broker creates a topic on a client's first metadata request for it: a
+    worker started before `sluice topics apply` used to make its request topics with the broker's
+    partition count, and on a broker that creates nothing it answered no one.)"""
+    prefix = f"tw{uuid.uuid4().hex[:6]}."
+    path = _topics_file(tmp_path, prefix)
+    env = {"SLUICE_TOPICS_FILE": str(path), "SLUICE_ENGINE_KIND": "fake", "SLUICE_METRICS_PORT": "0",
+           "SLUICE_KAFKA_IDEMPOTENCE": "false", "SLUICE_CLASSES": "realtime"}
+    r = sluice("worker", env=env)
+    assert r.returncode == 1
+    assert "topics missing on the broker" in r.stderr and "sluice topics apply" in r.stderr, r.stderr
+    assert f"{prefix}sluice.requests.realtime" in r.stderr and f"{prefix}sluice.replies" in r.stderr
+    assert f"{prefix}sluice.requests.batch" not in r.stderr  # a realtime-only worker needs only its own
+    check = sluice("topics", "check", env=env)
+    assert check.stdout.count("missing:") == len(topics.load().topic), check.stdout  # none was created
