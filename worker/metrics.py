@@ -101,7 +101,8 @@ consumer_lag = Gauge("sluice_consumer_lag_records",
                      ["class", "partition"], registry=REGISTRY)
 inter_token = Histogram("sluice_inter_token_seconds", "Time between a request's successive tokens",
                         ["class"], buckets=ITL_BUCKETS, registry=REGISTRY)
-scores = Histogram("sluice_score", "Scores given (probability of each label), by template and label",
+scores = Histogram("sluice_score", "Scores given (probability of each label), by template and the template's own "
+                   "labels (labels a request names itself are not recorded: any producer could add series)",
                    ["template", "label"], buckets=SCORE_BUCKETS, registry=REGISTRY)
 tenant_requests = Counter("sluice_tenant_requests_total",
                           f"Requests answered, by tenant and outcome (the first {MAX_TENANT_LABELS} tenants seen "

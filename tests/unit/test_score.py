@@ -139,3 +139,23 @@ async def test_a_template_whose_system_prompt_the_model_refuses_is_a_bad_request
     assert isinstance(out.answer, ErrorReply) and out.answer.code == ErrorCode.INVALID_REQUEST
     assert "template `fraud`" in out.answer.message and "System role not supported" in out.answer.message
     assert Runner(FakeEngine(), out, NoAnswers(), Limits(), running=lambda: True).unusable_templates() == {}
+
+
+async def test_labels_a_request_names_itself_add_no_metric_series():
+    """`sluice_score` is labelled by template and label. Labels come from the record, so a producer
+    sending random ones would add a histogram per label for the life of the process (memory, and a
+    scrape that grows without end on the worker's event loop). Only the template's own labels are
+    recorded; the reply still carries every score."""
+    from worker import metrics
+
+    def series():
+        return {key for key in metrics.scores._metrics}
+
+    before = series()
+    for i in range(20):
+        _, out = await serve(labels=[f"approve{i}", f"decline{i}", "fraud"])
+        assert set(out.answer.scores) == {f"approve{i}", f"decline{i}", "fraud"}
+    _, out = await serve()
+    assert set(out.answer.scores) == {"legit", "fraud"}
+    assert series() - before <= {("fraud", "fraud"), ("fraud", "legit")}
+    assert ("fraud", "legit") in series() and not any(label.startswith(("approve", "decline")) for _, label in series())
