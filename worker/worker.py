@@ -123,6 +123,7 @@ class _Rebalance(ConsumerRebalanceListener):
 class Worker:
     def __init__(self, settings: Settings, catalog: Catalog, engine: Engine, *, consumer=None, producer=None,
                  answers=None):
+        closed = closed_topics(catalog)  # every class's request topics, not only those this pool serves
         catalog = catalog.serving(settings.worker.classes.split(","))
         self.settings, self.catalog, self.engine = settings, catalog, engine
         self.consumer = consumer if consumer is not None else kafka_consumer(settings)
@@ -159,7 +160,7 @@ class Worker:
         self.intake = Intake(self.consumer, RequestCodec(settings.limits), self.tracker, self.dispatch, self.replies,
                              self.answers, self.liveness, catalog.replies.name, settings.kafka.fetch_max_wait_ms,
                              stopping=lambda: self.supervisor.stopping, redis_wait_s=settings.redis.lookup_wait_s,
-                             tenancy=Tenancy.from_settings(settings.tenancy, catalog.replies.name, closed_topics(catalog)))
+                             tenancy=Tenancy.from_settings(settings.tenancy, catalog.replies.name, closed))
         self.replies.worker_name = self.intake.owner_id
         self.replies.charge = self.intake.tenancy.rates.charge
         self.commits = Commits(self.consumer, self.tracker, settings.group.commit_interval_ms / 1000,

@@ -289,6 +289,20 @@ async def test_no_reply_to_pattern_opens_the_workers_own_topics():
     assert isinstance(mem.finals(everywhere=True)["open"][0], DoneReply)  # the pattern opens other topics
 
 
+async def test_a_class_dedicated_pool_keeps_the_other_classes_request_topics_closed_too():
+    """A realtime-only worker does not read the batch request topic, but a batch-only pool does:
+    replies sent there would be read again as requests by that pool."""
+    batch_topic = CATALOG.request_topic("batch").name
+    mem = Memory(partitions=1, tenancy_reply_to=".*", classes="realtime")
+    mem.send("realtime", J({"id": "cross", "prompt": "x", "max_tokens": 2, "reply_to": batch_topic}))
+    async with running(mem):
+        assert await until(mem.all_committed)
+    [refused] = mem.finals()["cross"]
+    assert isinstance(refused, ErrorReply) and refused.code == ErrorCode.INVALID_REQUEST
+    assert "own request, dead-letter or audit" in refused.message
+    assert mem.broker.records(batch_topic) == []
+
+
 async def test_a_reply_to_topic_that_does_not_exist_is_refused_before_the_request_runs():
     """On a broker that does not create topics, a `reply_to` inside the tenant's pattern naming a
     topic that does not exist would have had every record of its stream wait out the producer's
