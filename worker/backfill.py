@@ -174,8 +174,8 @@ class Backfill:
             return cp  # nothing left to do: a finished job writes nothing more
         probe = AIOKafkaConsumer(**self.s.kafka.options(), enable_auto_commit=False, fetch_max_wait_ms=50,
                                  isolation_level=self.s.kafka.isolation_level)
-        await probe.start()
         try:
+            await probe.start()
             if cp is None:
                 ranges = await resolve(probe, self.job.source, self.job.start, self.job.stop)
                 await self._ensure_out_topic(len(ranges))

@@ -178,6 +178,8 @@ def cmd_backfill(args) -> int:
 
     from tqdm import tqdm
 
+    from aiokafka.errors import KafkaError
+
     from worker.backfill import Backfill, Job, render_summary
     from worker.backfill_range import RangeError, parse_bound
 
@@ -187,6 +189,10 @@ def cmd_backfill(args) -> int:
         parse_bound(args.start), parse_bound(args.stop)
     except RangeError as exc:
         sys.exit(f"sluice backfill: {exc}")
+    if args.out == args.source or catalog.by_name(args.out) is not None:
+        # results in a request topic would be read as requests; in the reply topic, pose as replies
+        sys.exit(f"sluice backfill: --out {args.out} is {'the source' if args.out == args.source else 'a topic of the workers (topics file)'}: "
+                 "results need a topic of their own")
     job = Job(source=args.source, out=args.out, template=args.template, start=args.start, stop=args.stop,
               labels=tuple(args.labels.split(",")) if args.labels else None, max_tokens=args.max_tokens,
               name=args.name)
@@ -209,6 +215,9 @@ def cmd_backfill(args) -> int:
         bf, cp, seconds = asyncio.run(go())
     except RangeError as exc:
         sys.exit(f"sluice backfill: {exc}")
+    except KafkaError as exc:  # one line naming the broker, not a traceback; what was done is checkpointed
+        sys.exit(f"sluice backfill: Kafka at {settings.kafka.bootstrap}: {exc}; "
+                 "once it answers, the same command starts the job or continues it from its checkpoint")
     if not cp.complete:
         print(render_summary(bf.counts(cp), seconds))
         print(f"stopped; checkpoint in {bf.path}. Run the same command to resume.")

@@ -29,3 +29,31 @@ def test_job_id_is_stable_and_follows_the_arguments():
     assert a.id == Job(source="events", out="scored", template="fraud", start="0").id
     assert a.id != Job(source="events", out="scored", template="fraud", start="1").id
     assert Job(source="events", out="scored", template="fraud", name="june").id == "june"
+
+
+@pytest.mark.parametrize("out,why", [
+    ("sluice.replies", "a topic of the workers"),           # results would pose as replies
+    ("sluice.requests.batch", "a topic of the workers"),    # ... or be read as requests
+    ("payments.tx", "the source"),
+])
+def test_results_never_go_to_the_workers_topics_or_the_source(out, why):
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "worker.cli", "backfill", "--source", "payments.tx", "--out", out,
+                        "--template", "fraud"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "SLUICE_KAFKA_BOOTSTRAP": "127.0.0.1:1"})  # refused before connecting
+    assert r.returncode == 1 and f"--out {out} is {why}" in r.stderr, r.stderr
+
+
+def test_a_broker_that_cannot_be_reached_is_one_line_naming_it(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "worker.cli", "backfill", "--source", "payments.tx", "--out", "res.x",
+                        "--template", "fraud", "--state-dir", str(tmp_path)], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "SLUICE_KAFKA_BOOTSTRAP": "127.0.0.1:1"})
+    assert r.returncode == 1 and "sluice backfill: Kafka at 127.0.0.1:1: KafkaConnectionError" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "Unclosed" not in r.stderr
