@@ -54,13 +54,17 @@ def _size(key, value, hdrs) -> int:
 def fit(key: bytes | None, value: bytes | None, original_headers, dlq_headers: list, max_bytes: int):
     """(key, value, headers) of a dead letter no larger than `max_bytes`.
 
-    Original headers travel along when they fit (with keys that are not text made safe);
+    Original headers travel along when they fit (with keys that are not text made safe), except
+    any under the dead letter's own header names;
     otherwise they are dropped, then the key and value are cut, and `x-sluice-truncated`
     gives the original sizes so an operator knows to read the source record itself.
     """
     if key is None and value is None:
         value = b""  # a record needs a key or a value (a keyless tombstone, or one that could not be read)
     kept = [(k if isinstance(k, str) else bytes(k).decode("latin-1"), v) for k, v in original_headers or ()]
+    # a producer's own headers under the dead letter's names would stand beside the real ones, and a
+    # reader taking the first of a name would believe them (the source record still has them)
+    kept = [(k, v) for k, v in kept if k not in _NAMES]
     hdrs = kept + dlq_headers
     if _size(key, value, hdrs) <= max_bytes:
         return key, value, hdrs
