@@ -181,13 +181,13 @@ class Runner:
             firsts[ids[0]] = label
         job.label_ids = tuple(firsts)
 
-    def _observe_scores(self, template: str, scores: dict[str, float]) -> None:
+    def _observe_scores(self, template: str | None, scores: dict[str, float]) -> None:
         """Only the template's own labels are series: a request may name any labels, and each new
         one would be a histogram kept for the life of the process and exported at every scrape."""
-        own = self.templates.get(template).labels
+        own = self.templates.get(template or "").labels
         for label, p in scores.items():
             if label in own:
-                metrics.scores.labels(template, label).observe(p)
+                metrics.scores.labels(template or "-", label).observe(p)
 
     async def serve(self, job: Job) -> None:
         try:
@@ -295,7 +295,7 @@ class Runner:
             prefill = 0
             if want_scores and job.scores is None:
                 job.scores = self._scores(job, delta.logprobs)
-                self._observe_scores(req.template or "", job.scores)
+                self._observe_scores(req.template, job.scores)
             if scores_only:
                 finish = "scored"
                 metrics.record_kv(cls, prefix_len, delta.cached_tokens, delta.kv)
