@@ -9,6 +9,7 @@ port=${SLUICE_SMOKE_PORT:-19464}
 B="buildah ${BUILDAH_OPTS:---storage-driver vfs}"
 ctr=$($B from "$image")
 trap '$B rm "$ctr" >/dev/null 2>&1 || true; pkill -f "SLUICE_SMOKE_MARK" 2>/dev/null || true' EXIT
+$B run --isolation chroot "$ctr" -- sluice topics apply  # a worker does not create its topics
 $B run --isolation chroot -v "$model:/models/model:ro" \
   --env SLUICE_MODEL=/models/model --env SLUICE_METRICS_PORT="$port" --env SLUICE_KAFKA_IDEMPOTENCE=false \
   --env SLUICE_GROUP_ID=image-smoke --env SLUICE_SMOKE_MARK=1 "$ctr" -- sluice worker > /tmp/sluice-image-smoke.log 2>&1 &

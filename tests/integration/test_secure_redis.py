@@ -11,7 +11,7 @@ import pytest
 
 from loadgen.burst import run_burst
 from schemas import DoneReply
-from tests.integration.helpers import running_worker
+from tests.integration.helpers import prefixed_topics_file, running_worker
 from tests.integration.secure_stack import TlsRedisCluster, make_pki
 from worker import preflight
 
@@ -85,11 +85,13 @@ def test_the_kv_connectors_client_reaches_the_tls_cluster_with_the_same_settings
     assert plain.pipeline_run([("get", key)]) is None
 
 
-async def test_a_worker_process_with_a_wrong_password_exits_at_once_naming_the_setting(secure_settings, tmp_path):
+async def test_a_worker_process_with_a_wrong_password_exits_at_once_naming_the_setting(secure_settings, catalog,
+                                                                                         tmp_path):
     import os
     import sys
 
-    env = {**os.environ, "SLUICE_REDIS_URL": secure_settings.redis.url, "SLUICE_REDIS_USERNAME": "sluice",
+    env = {**os.environ, "SLUICE_TOPICS_FILE": str(prefixed_topics_file(catalog, tmp_path / "topics.toml")),
+           "SLUICE_REDIS_URL": secure_settings.redis.url, "SLUICE_REDIS_USERNAME": "sluice",
            "SLUICE_REDIS_PASSWORD": "wrong-pw-0d9c", "SLUICE_REDIS_TLS_CA_FILE": secure_settings.redis.tls_ca_file,
            "SLUICE_REDIS_TLS_CERT_FILE": secure_settings.redis.tls_cert_file,
            "SLUICE_REDIS_TLS_KEY_FILE": secure_settings.redis.tls_key_file, "SLUICE_METRICS_PORT": "0",
