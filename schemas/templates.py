@@ -51,7 +51,8 @@ class Template(Struct, frozen=True, kw_only=True):
             return self.prompt.format_map(event)
         except KeyError as exc:
             raise TemplateError(f"template `{self.name}` needs event field `{exc.args[0]}`") from None
-        except (ValueError, IndexError, AttributeError) as exc:
+        # TypeError: `{x:.2f}` given a list; OverflowError: given 10**400
+        except (ValueError, IndexError, AttributeError, TypeError, OverflowError) as exc:
             raise TemplateError(f"template `{self.name}` cannot render this event: {exc}") from None
 
 

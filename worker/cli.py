@@ -191,8 +191,8 @@ def cmd_backfill(args) -> int:
         sys.exit(f"sluice backfill: {exc}")
     if args.out == args.source or catalog.by_name(args.out) is not None:
         # results in a request topic would be read as requests; in the reply topic, pose as replies
-        sys.exit(f"sluice backfill: --out {args.out} is {'the source' if args.out == args.source else 'a topic of the workers (topics file)'}: "
-                 "results need a topic of their own")
+        what = "the source" if args.out == args.source else "a topic of the workers (topics file)"
+        sys.exit(f"sluice backfill: --out {args.out} is {what}: results need a topic of their own")
     job = Job(source=args.source, out=args.out, template=args.template, start=args.start, stop=args.stop,
               labels=tuple(args.labels.split(",")) if args.labels else None, max_tokens=args.max_tokens,
               name=args.name)

@@ -58,3 +58,14 @@ def test_broken_template_file_is_an_error_not_a_crash(tmp_path):
     (tmp_path / "plain.toml").write_text('prompt = "x {id}"\nchat = false\nsystem = "You are careful."\n')
     with pytest.raises(TemplateError, match="`system` needs `chat = true`"):
         Templates(tmp_path).get("plain")
+
+
+@pytest.mark.parametrize("amount", [[1, 2], {"v": 1}, None, "12", 10 ** 400])
+def test_a_value_the_templates_format_cannot_take_is_a_bad_event_not_an_internal_error(tmp_path, amount):
+    """A template without an event schema that formats a field (`{amount:.2f}`) is given whatever
+    the producer sent: a list or an object there was a TypeError, answered `internal` with a
+    traceback on every such request. It is the event that is wrong."""
+    (tmp_path / "fee.toml").write_text('labels = ["low", "high"]\nprompt = "Fee of {amount:.2f}. Level:"\n')
+    with pytest.raises(TemplateError, match="cannot render this event"):
+        Templates(tmp_path).get("fee").render({"amount": amount})
+    assert Templates(tmp_path).get("fee").render({"amount": 3}) == "Fee of 3.00. Level:"
