@@ -83,8 +83,9 @@ def metric(exposition: str, name: str, **labels) -> float:
     return total
 
 
-async def read_topic(kafka_opts: dict, topic: str, at_least: int, timeout_s: float = 60) -> list:
-    """Every record of `topic` from the beginning, once there are `at_least` (or the time is up)."""
+async def read_topic(kafka_opts: dict, topic: str, at_least: int, timeout_s: float = 60, until=None) -> list:
+    """Every record of `topic` from the beginning, once there are `at_least` and `until(records)`
+    holds, if given (or the time is up)."""
     from aiokafka import AIOKafkaConsumer
 
     consumer = AIOKafkaConsumer(topic, **kafka_opts, group_id=None, auto_offset_reset="earliest",
@@ -93,7 +94,8 @@ async def read_topic(kafka_opts: dict, topic: str, at_least: int, timeout_s: flo
     out: list = []
     try:
         end = asyncio.get_running_loop().time() + timeout_s
-        while len(out) < at_least and asyncio.get_running_loop().time() < end:
+        while ((len(out) < at_least or (until is not None and not until(out)))
+               and asyncio.get_running_loop().time() < end):
             got = await consumer.getmany(timeout_ms=500)
             for records in got.values():
                 out.extend(records)
