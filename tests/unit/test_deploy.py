@@ -3,6 +3,7 @@ with the topics file, the settings and itself (pools, lag triggers, drain, devic
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import yaml
 
 import topics
-from tests.tools import need_tool
+from tests.tools import missing, need_tool
 from topics.render import strimzi, with_profile
 from worker.settings import load
 
@@ -19,9 +20,11 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("cpu", "cuda", "ascend", "pools")
 KUBERNETES = "1.32"
-# CRD schemas (KEDA, Strimzi) are fetched data kept outside the repository; see the README's Deploy section.
-CRD_DIRS = [Path(p) for p in (os.environ.get("SLUICE_CRD_DIR"), ROOT.parent / "shared" / "crds",
-                              Path("/work/shared/crds")) if p]
+# KEDA and Strimzi resources are checked by validators generated from their CRDs, published on npm
+# (.ci/run: npm install --prefix .sluice/node @kubernetes-models/keda @kubernetes-models/strimzi-kafka-operator).
+NODE_HOME = ROOT / ".sluice" / "node"
+CRD_MODELS = ("keda", "strimzi-kafka-operator")
+CUSTOM = ("keda.sh/", "kafka.strimzi.io/")
 
 kubectl = pytest.mark.usefixtures("kubectl_installed")
 
@@ -46,19 +49,19 @@ def env_of(deployment) -> dict:
             ["containers"][0]["env"]}
 
 
-def crd_schemas() -> dict[tuple[str, str], dict]:
-    """(apiVersion, kind) -> openAPIV3Schema, from the CRD files found."""
-    out = {}
-    for d in CRD_DIRS:
-        for f in sorted(d.glob("*.yaml")) if d.is_dir() else ():
-            for crd in yaml.safe_load_all(f.read_text()):
-                if not crd or crd.get("kind") != "CustomResourceDefinition":
-                    continue
-                spec = crd["spec"]
-                for v in spec["versions"]:
-                    if v.get("served"):
-                        out[(f"{spec['group']}/{v['name']}", spec["names"]["kind"])] = v["schema"]["openAPIV3Schema"]
-    return out
+def crd_verdicts(docs: list[dict], tmp_path: Path) -> dict[tuple[str, str], str | None]:
+    """(kind, name) -> the CRD validator's error for each custom resource, None where it is valid."""
+    node = need_tool("node", "nodejs")
+    if not all((NODE_HOME / "node_modules" / "@kubernetes-models" / m).is_dir() for m in CRD_MODELS):
+        missing("crd-models", f"@kubernetes-models/{{{','.join(CRD_MODELS)}}} are not installed under {NODE_HOME} "
+                              "(see .ci/run)")
+    path = tmp_path / "resources.json"
+    path.write_text(json.dumps(docs))
+    out = subprocess.run([node, str(ROOT / "tests" / "crd_validate.cjs"), str(NODE_HOME / "node_modules"), str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    return {(v["kind"], v["name"]): v["error"] for v in lines}
 
 
 @kubectl
@@ -67,7 +70,7 @@ def test_every_overlay_renders_and_validates_against_the_kubernetes_schemas(over
     import kubernetes_validate
 
     docs = render(overlay)
-    core = [d for d in docs if not d["apiVersion"].startswith(("keda.sh/", "kafka.strimzi.io/"))]
+    core = [d for d in docs if not d["apiVersion"].startswith(CUSTOM)]
     assert {d["kind"] for d in core} >= {"Deployment", "PodDisruptionBudget", "Service", "ConfigMap"}
     for d in core:
         kubernetes_validate.validate(d, KUBERNETES, strict=True)
@@ -85,21 +88,20 @@ def test_the_validator_rejects_what_kubernetes_would():
 
 @kubectl
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_custom_resources_validate_against_their_crds(overlay):
-    import jsonschema
-
-    schemas = crd_schemas()
-    if not schemas:
-        pytest.skip(f"no KEDA/Strimzi CRD files in {', '.join(map(str, CRD_DIRS))} (SLUICE_CRD_DIR)")
-    custom = [d for d in render(overlay) if d["apiVersion"].startswith(("keda.sh/", "kafka.strimzi.io/"))]
+def test_custom_resources_validate_against_their_crds(overlay, tmp_path):
+    custom = [d for d in render(overlay) if d["apiVersion"].startswith(CUSTOM)]
     assert {d["kind"] for d in custom} == {"KafkaTopic", "ScaledObject", "TriggerAuthentication"}
-    for d in custom:
-        schema = schemas[(d["apiVersion"], d["kind"])]
-        jsonschema.validate(d, schema)
-    broken = next(d for d in custom if d["kind"] == "ScaledObject")
-    broken["spec"]["minReplicaCount"] = "one"
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(broken, schemas[(broken["apiVersion"], "ScaledObject")])
+    verdicts = crd_verdicts(custom, tmp_path)
+    assert len(verdicts) == len(custom)
+    assert {resource: error for resource, error in verdicts.items() if error} == {}
+    # the validator refuses what the CRD does: a count that is not an integer, a topic with no partitions
+    scaled = next(d for d in custom if d["kind"] == "ScaledObject")
+    topic = next(d for d in custom if d["kind"] == "KafkaTopic")
+    broken = [{**scaled, "spec": {**scaled["spec"], "minReplicaCount": "one"}},
+              {**topic, "spec": {**topic["spec"], "partitions": 0}}]
+    refused = crd_verdicts(broken, tmp_path)
+    assert "minReplicaCount must be integer" in refused[("ScaledObject", scaled["metadata"]["name"])]
+    assert "partitions must be >= 1" in refused[("KafkaTopic", topic["metadata"]["name"])]
 
 
 def test_strimzi_topics_are_the_topics_file_rendered_for_production():
