@@ -15,6 +15,7 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from schemas import DoneReply, ErrorReply, ReplyCodec, TokenReply
+from worker.consumer_stop import stop_consumer
 
 MERCHANTS = ["grocery", "electronics", "travel", "fuel", "restaurant", "gaming", "pharmacy"]
 COUNTRIES = ["US", "GB", "DE", "BR", "IN", "NG", "JP"]
@@ -95,7 +96,7 @@ class ReplyReader:
                 yield self.codec.decode(rec.value)
 
     async def stop(self) -> None:
-        await self.consumer.stop()
+        await stop_consumer(self.consumer)
 
 
 async def produce(kafka_opts: dict, items: list[tuple[str, bytes | None, bytes, list]]) -> None:
@@ -175,7 +176,7 @@ async def read_topic(kafka_opts: dict, topic: str, quiet_ms: int = 1500) -> list
                 out.extend(recs)
         return out
     finally:
-        await consumer.stop()
+        await stop_consumer(consumer)
 
 
 def check(o: Outcome) -> None:

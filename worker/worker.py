@@ -29,6 +29,7 @@ from topics import Catalog, Topic
 from worker import metrics, sealing
 from worker.answers import AnswerStore
 from worker.commits import Commits
+from worker.consumer_stop import stop_consumer
 from worker.dispatch import Dispatcher
 from worker.emitter import Emitter, kafka_producer
 from worker.engine import Engine
@@ -264,7 +265,7 @@ class Worker:
         """
         coordinator = getattr(self.consumer, "_coordinator", None)
         member, generation = getattr(coordinator, "member_id", ""), getattr(coordinator, "generation", -1)
-        await self.consumer.stop()
+        await stop_consumer(self.consumer)
         if generation == 0 and member:
             code = await leave_group(self.settings.kafka.options(), self.settings.group.id, member,
                                      self.settings.kafka.request_timeout_ms / 1000)
