@@ -9,7 +9,9 @@ Exactly one result per event across crashes: a checkpoint file holds, per
 source partition, the offset below which every record has an acknowledged
 result, and, per output partition, the offset from which results of records
 above that watermark may lie. A restarted job reads the output from there,
-skips every source record that already has a result, and carries on. Requests
+skips every source record that already has a result, and carries on. A job
+started without its checkpoint (lost with a machine or a pod's disk) reads the
+whole output for results of its own, as the results carry the job's name. Requests
 re-sent after a restart reuse their ids, so a worker that already answered one
 replies from its answer store instead of scoring it again.
 """
@@ -33,12 +35,14 @@ from loadgen.burst import ReplyReader
 from schemas import DoneReply, ErrorReply
 from schemas.events import BackfillResult
 from worker.backfill_range import resolve, true_end
+from worker.consumer_stop import stop_consumer
 from worker.unparseable import UNPARSEABLE, RecordRef, read_one_at_a_time
 from worker.offsets import OffsetTracker
 
 JOB_HEADER = "x-sluice-backfill"
 SOURCE_HEADER = "x-sluice-source"  # "partition:offset" of the event in the source topic
 BINS = 10
+SCAN_STALL_S = 60.0  # reading the output for earlier results: this long without a record fails the job
 
 
 @dataclass(frozen=True)
@@ -135,26 +139,46 @@ class Backfill:
             await admin.close()
 
     async def _out_ends(self, consumer) -> dict[int, int]:
-        await consumer._client.force_metadata_update()
-        parts = consumer.partitions_for_topic(self.job.out) or set()
+        # asked by name: a refresh covers only the topics the consumer was assigned (the source, here),
+        # and an output found with no partitions would be scanned for nothing
+        parts = await consumer._client._wait_on_metadata(self.job.out)
         tps = [TopicPartition(self.job.out, p) for p in sorted(parts)]
         consumer.assign(tps)
         ends = await consumer.end_offsets(tps)
         begins = await consumer.beginning_offsets(tps)
         return {tp.partition: await true_end(consumer, tp, ends[tp], begins[tp]) for tp in tps}
 
-    async def _scan_out(self, consumer, scan_from: dict[int, int]) -> None:
-        """Results this job wrote after its last checkpoint (found again, never written twice)."""
-        tps = [TopicPartition(self.job.out, p) for p in scan_from]
-        consumer.assign(tps)
-        for tp in tps:
-            consumer.seek(tp, scan_from[tp.partition])
+    async def _out_begins(self, consumer, ends: dict[int, int]) -> dict[int, int]:
+        tps = [TopicPartition(self.job.out, p) for p in ends]
+        return {tp.partition: off for tp, off in (await consumer.beginning_offsets(tps)).items()}
+
+    def _scan_from(self, after: dict[int, int]) -> dict[int, int]:
+        """Per output partition, where a restart must read from: the lowest result not yet settled
+        below the watermark, else `after`."""
+        lows: dict[int, int] = {}
+        for q, off, _ in self._landed.values():
+            lows[q] = min(lows.get(q, off), off)
+        return {q: lows.get(q, at) for q, at in after.items()}
+
+    async def _scan_out(self, consumer, scan_from: dict[int, int], ends: dict[int, int]) -> None:
+        """Results this job wrote after its last checkpoint (found again, never written twice). Read up
+        to each partition's end: stopping short would write the results beyond it again."""
+        tps = {p: TopicPartition(self.job.out, p) for p, at in scan_from.items() if at < ends.get(p, 0)}
+        if not tps:
+            return
+        consumer.assign(list(tps.values()))
+        for p, tp in tps.items():
+            consumer.seek(tp, scan_from[p])
         dec = msgspec.json.Decoder(BackfillResult)
         job = self.job.id.encode()
-        while True:
-            batch = await consumer.getmany(timeout_ms=500)
-            if not batch:
-                return
+        reading, quiet_since = dict(tps), time.monotonic()
+        while reading:
+            batch = await consumer.getmany(*reading.values(), timeout_ms=500)
+            if batch:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since > SCAN_STALL_S:
+                raise RuntimeError(f"{self.job.out} partitions {sorted(reading)} could not be read to their ends "
+                                   f"for {SCAN_STALL_S:.0f} s; not going on, which could write results twice")
             for recs in batch.values():
                 for rec in recs:
                     headers = dict(rec.headers or ())
@@ -162,6 +186,9 @@ class Backfill:
                         continue
                     p, o = (int(x) for x in headers[SOURCE_HEADER].decode().split(":"))
                     self._landed.setdefault((p, o), (rec.partition, rec.offset, dec.decode(rec.value)))
+            for p in list(reading):
+                if await consumer.position(reading[p]) >= ends[p]:
+                    del reading[p]
 
     # -- the run ---------------------------------------------------------------
 
@@ -179,15 +206,22 @@ class Backfill:
             if cp is None:
                 ranges = await resolve(probe, self.job.source, self.job.start, self.job.stop)
                 await self._ensure_out_topic(len(ranges))
-                cp = Checkpoint(self.job.id, ranges, {p: r[0] for p, r in ranges.items()}, await self._out_ends(probe))
+                ends = await self._out_ends(probe)
+                # No checkpoint here, yet a run of this job elsewhere (another machine, a pod whose disk went
+                # with it) may have written results: the whole output is read for them, so none is written twice.
+                await self._scan_out(probe, await self._out_begins(probe, ends), ends)
+                cp = Checkpoint(self.job.id, ranges, {p: r[0] for p, r in ranges.items()}, self._scan_from(ends))
                 cp.save(self.path)
                 self.log(f"backfill {self.job.id}: {sum(e - s for s, e in ranges.values())} events in "
                          f"{len(ranges)} partitions of {self.job.source} -> {self.job.out}")
+                if self._landed:
+                    self.log(f"backfill {self.job.id}: {len(self._landed)} results already in {self.job.out} "
+                             "from an earlier run without this checkpoint; not written again")
             else:
                 self.log(f"backfill {self.job.id}: resuming from {self.path}")
-            await self._scan_out(probe, cp.scan_from)
+                await self._scan_out(probe, cp.scan_from, await self._out_ends(probe))
         finally:
-            await probe.stop()
+            await stop_consumer(probe)
         if not cp.complete:
             try:
                 await self._score(cp)
@@ -232,10 +266,7 @@ class Backfill:
                 cp.done[tp.partition] = off
             tracker.committed({tps[p]: cp.done[p] for p in tps})
             self._fold(cp)
-            lows: dict[int, int] = {}
-            for q, off, _ in self._landed.values():
-                lows[q] = min(lows.get(q, off), off)
-            cp.scan_from = {q: lows.get(q, out_next.get(q, cp.scan_from.get(q, 0))) for q in out_next}
+            cp.scan_from = self._scan_from({q: out_next.get(q, cp.scan_from.get(q, 0)) for q in out_next})
             cp.save(self.path)
 
         async def emit(p: int, o: int, res: BackfillResult) -> None:
@@ -322,7 +353,7 @@ class Backfill:
             await asyncio.gather(*tasks, work, stopped, return_exceptions=True)
             if bar:
                 bar.close()
-            await consumer.stop()
+            await stop_consumer(consumer)
             await producer.stop()
             await reader.stop()
 

@@ -1,4 +1,5 @@
-"""`sluice backfill` against the real stack: ranges by time, and a SIGKILL midway that loses and repeats nothing."""
+"""`sluice backfill` against the real stack: ranges by time, and a SIGKILL midway that loses and repeats nothing,
+with the checkpoint kept or lost."""
 
 import asyncio
 import os
@@ -72,6 +73,15 @@ def backfill_cmd(source, out, state_dir, max_in_flight=16):
             "--state-dir", str(state_dir), "--max-in-flight", str(max_in_flight)]
 
 
+async def run_backfill(source, out, state_dir, env, timeout_s: float) -> bytes:
+    """One `sluice backfill` run to its end; its output."""
+    proc = await asyncio.create_subprocess_exec(*backfill_cmd(source, out, state_dir), env=env,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    output, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+    assert proc.returncode == 0, output.decode()[-3000:]
+    return output
+
+
 async def wait_for_results(settings, topic: str, want: int, proc, log_path, timeout_s: float = 300) -> None:
     """Follow `topic` live until `want` records are there; the backfill must still be running."""
     consumer = AIOKafkaConsumer(**settings.kafka.options(), enable_auto_commit=False, fetch_max_wait_ms=50)
@@ -94,6 +104,29 @@ async def wait_for_results(settings, topic: str, want: int, proc, log_path, time
             seen += sum(len(recs) for recs in batch.values())
     finally:
         await consumer.stop()
+
+
+async def test_the_output_is_found_after_the_probe_read_the_source(settings, catalog):
+    """The job's first checkpoint holds every output partition: the probe, assigned to the source
+    while the range was resolved, still finds the output's partitions (a metadata refresh covered the
+    source alone, so none were found, and results written before the first save were written again
+    after a restart)."""
+    from worker.backfill import Backfill, Job
+    from worker.consumer_stop import stop_consumer
+
+    prefix = catalog.replies.name[: -len("sluice.replies")]
+    source, out = f"{prefix}probe-source", f"{prefix}probe-out"
+    await create_topic(settings, source, 2)
+    await create_topic(settings, out, 3)
+    await produce(settings.kafka.options(), [(out, b"k", b"{}", [])])
+    probe = AIOKafkaConsumer(**settings.kafka.options(), enable_auto_commit=False)
+    await probe.start()
+    try:
+        await resolve(probe, source, None, None)
+        ends = await Backfill(settings, catalog, Job(source=source, out=out, template="fraud"))._out_ends(probe)
+    finally:
+        await stop_consumer(probe)
+    assert set(ends) == {0, 1, 2} and sum(ends.values()) == 1
 
 
 @pytest.mark.slow
@@ -127,17 +160,18 @@ async def test_backfill_killed_midway_resumes_with_one_result_per_event(settings
         partial = len(await read_all(settings, out))
         assert 40 <= partial < len(records), partial
 
-        second = await asyncio.create_subprocess_exec(*backfill_cmd(source, out, state), env=env,
-                                                      stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        output, _ = await asyncio.wait_for(second.communicate(), 400)
-        assert second.returncode == 0, output.decode()[-3000:]
-        assert b"resuming" in output and b"histogram" in output
+        # the second run has no checkpoint (as on another machine): it finds the first run's results in
+        # the output by their job header and writes none of them again
+        output = await run_backfill(source, out, tmp_path / "elsewhere", env, 400)
+        assert b"already in" in output and b"histogram" in output, output.decode()[-3000:]
+        assert len(await read_all(settings, out)) == len(records)
 
-        # a third run of the finished job writes nothing more
-        third = await asyncio.create_subprocess_exec(*backfill_cmd(source, out, state), env=env,
-                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-        await asyncio.wait_for(third.communicate(), 120)
-        assert third.returncode == 0
+        # the first run's own checkpoint, still unfinished, resumes and writes nothing more
+        output = await run_backfill(source, out, state, env, 400)
+        assert b"resuming" in output, output.decode()[-3000:]
+        # a finished job run again, with or without its checkpoint, writes nothing more
+        await run_backfill(source, out, state, env, 120)
+        await run_backfill(source, out, tmp_path / "third-place", env, 120)
 
     results = await read_all(settings, out)
     sources = [dict(r.headers)[SOURCE_HEADER] for r in results]
