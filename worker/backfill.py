@@ -101,6 +101,15 @@ class Checkpoint(msgspec.Struct):
             return None
 
 
+def out_topic(name: str, partitions: int, source: dict) -> NewTopic:
+    """The output topic, created as durable as the source (`source`: the source as the admin client
+    describes it). One replica would lose results with a broker and, where the cluster asks for two
+    in-sync replicas, refuse every acknowledged write."""
+    # the fewest: a partition being moved lists its old and new replicas together for a while
+    replicas = min((len(p["replicas"]) for p in source["partitions"]), default=1)
+    return NewTopic(name, partitions, max(replicas, 1))
+
+
 def result_from_reply(reply, event_id: str, source: str, p: int, o: int, template: str) -> BackfillResult:
     if isinstance(reply, ErrorReply):
         return BackfillResult(event_id=event_id, topic=source, partition=p, offset=o, template=template,
@@ -132,7 +141,8 @@ class Backfill:
         await admin.start()
         try:
             if self.job.out not in await admin.list_topics():
-                await admin.create_topics([NewTopic(self.job.out, partitions, 1)])
+                (source,) = await admin.describe_topics([self.job.source])
+                await admin.create_topics([out_topic(self.job.out, partitions, source)])
         except TopicAlreadyExistsError:
             pass
         finally:

@@ -57,3 +57,16 @@ def test_a_broker_that_cannot_be_reached_is_one_line_naming_it(tmp_path):
                        timeout=60, env={**os.environ, "SLUICE_KAFKA_BOOTSTRAP": "127.0.0.1:1"})
     assert r.returncode == 1 and "sluice backfill: Kafka at 127.0.0.1:1: KafkaConnectionError" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "Unclosed" not in r.stderr
+
+
+def test_the_output_topic_is_as_durable_as_the_source():
+    from worker.backfill import out_topic
+
+    def described(*replica_counts):
+        return {"topic": "events", "partitions": [{"partition": i, "replicas": list(range(n))}
+                                                  for i, n in enumerate(replica_counts)]}
+
+    topic = out_topic("scored", 6, described(3, 3, 3))
+    assert (topic.name, topic.num_partitions, topic.replication_factor) == ("scored", 6, 3)
+    assert out_topic("scored", 2, described(3, 6)).replication_factor == 3  # a partition being moved
+    assert out_topic("scored", 1, described()).replication_factor == 1
