@@ -59,6 +59,9 @@ class BadRequest(Exception):
         self.tenant = tenant  # when known (the audit trail names it)
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def _valid(decoder: msgspec.json.Decoder, value) -> str | None:
     if not isinstance(value, str):
         return None
@@ -100,6 +103,8 @@ class RequestCodec:
             )
         if content_type == JSON:
             decoder = self._json
+            if value[:3] == UTF8_BOM:  # some writers start UTF-8 text with one; RFC 8259 lets a parser skip it
+                value = value[3:]
             if json_depth_exceeds(value, self.limits.max_nesting_depth):
                 raise self._bad(ErrorCode.INVALID_REQUEST,
                                 f"JSON nests deeper than {self.limits.max_nesting_depth} levels (or is unbalanced)",

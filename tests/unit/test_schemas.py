@@ -85,6 +85,18 @@ def test_valid_json_and_msgpack_agree():
     assert a.tenant == "default" and a.kind == "generate" and a.stream is True
 
 
+def test_a_json_request_led_by_a_byte_order_mark_is_read_and_a_bad_one_keeps_its_id():
+    bom = b"\xef\xbb\xbf"
+    assert codec.decode(bom + J({"id": "b1", "prompt": "hi"})).id == "b1"
+    with pytest.raises(BadRequest) as info:
+        codec.decode(bom + J({"id": "b2", "prompt": "hi", "max_tokens": "ten"}))
+    assert info.value.id == "b2" and "max_tokens" in info.value.message
+    with pytest.raises(BadRequest):  # only at the start, and only once
+        codec.decode(bom + bom + J({"id": "b3", "prompt": "hi"}))
+    with pytest.raises(BadRequest):  # msgpack has no byte-order mark
+        codec.decode(bom + msgspec.msgpack.encode({"id": "b4", "prompt": "hi"}), MSGPACK)
+
+
 def test_reply_to_is_kept():
     r = codec.decode(J({"id": "x", "prompt": "p", "reply_to": "team.replies"}))
     assert r.reply_to == "team.replies"
