@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from worker import sealing
+from worker import sealing, topic_metadata
 from worker.tenancy import Tenancy, TenancyError
 
 
@@ -142,7 +142,8 @@ async def check_kafka(kafka_settings, topics=(), timeout_s: float = 15.0) -> Non
         try:
             async with asyncio.timeout(timeout_s):
                 await admin.start()
-                existing = set(await admin.list_topics())  # a metadata request that creates nothing
+                wrong = topic_metadata.problems(await admin._send_request(topic_metadata.request(topics))) \
+                    if topics else {}
         except Exception as exc:  # noqa: BLE001 - any failure here names the settings
             what = next((c for c in _chain(exc) if "SSL" in type(c).__name__ or "Sasl" in type(c).__name__
                          or "Authentication" in type(c).__name__), exc)
@@ -150,11 +151,12 @@ async def check_kafka(kafka_settings, topics=(), timeout_s: float = 15.0) -> Non
                                f"SLUICE_KAFKA_SECURITY_PROTOCOL={kafka_settings.security_protocol} "
                                f"({type(what).__name__}: {str(what)[:160]}): check the SLUICE_KAFKA_SSL_* and "
                                "SLUICE_KAFKA_SASL_* settings") from None
-        missing = [t for t in topics if t not in existing]
+        missing = [t for t in topics if wrong.get(t) == topic_metadata.PROBLEMS[3]]
         if missing:
-            raise StartupError(f"topics missing on the broker (or not visible to these credentials): "
-                               f"{', '.join(missing)}; create them with `sluice topics apply` (or deploy/'s "
-                               f"KafkaTopic resources) before starting workers")
+            raise StartupError(f"topics missing on the broker: {', '.join(missing)}; create them with "
+                               f"`sluice topics apply` (or deploy/'s KafkaTopic resources) before starting workers")
+        if wrong:
+            raise StartupError("topics the workers cannot use: " + "; ".join(f"{t} {why}" for t, why in wrong.items()))
     finally:
         try:
             await admin.close()

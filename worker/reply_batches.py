@@ -22,12 +22,11 @@ import asyncio
 
 from aiokafka.errors import KafkaError, MessageSizeTooLargeError
 from aiokafka.partitioner import DefaultPartitioner, murmur2
-from aiokafka.protocol.metadata import MetadataRequest
 from aiokafka.structs import TopicPartition
 
+from worker import topic_metadata
+
 _HASHES_KEPT = 16_384
-# Metadata error codes that say a topic cannot take replies, whatever is retried
-_UNUSABLE_TOPIC = {3: "does not exist", 17: "is not a valid topic name", 29: "may not be written by the workers"}
 
 
 class BatchingProducer:
@@ -71,17 +70,10 @@ class BatchingProducer:
         if node is None:
             return {}
         try:
-            response = await asyncio.wait_for(
-                client.send(node, MetadataRequest(ask, allow_auto_topic_creation=False)), timeout_s)
+            response = await asyncio.wait_for(client.send(node, topic_metadata.request(ask)), timeout_s)
         except (KafkaError, asyncio.TimeoutError, OSError):
             return {}
-        unusable = {}
-        for error_code, topic, *rest in response.topics:
-            if error_code in _UNUSABLE_TOPIC:
-                unusable[topic] = _UNUSABLE_TOPIC[error_code]
-            elif len(rest) == 2 and rest[0] is True:  # v1+: (is_internal, partitions)
-                unusable[topic] = "is one of the broker's internal topics"
-        return unusable
+        return topic_metadata.problems(response)
 
     async def send(self, topic, value=None, key=None, headers=None) -> asyncio.Future:
         """Queue one record; the future is done when its batch was delivered (or failed).

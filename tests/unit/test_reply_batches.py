@@ -251,7 +251,7 @@ async def test_unusable_topics_are_read_from_a_metadata_request_that_creates_non
     producer = BatchingProducer(inner)
     found = await producer.unusable_topics(["team.known", "team.gone", "team.locked", "team..bad",
                                             "__consumer_offsets", "team.new", "team.electing"], 1.0)
-    assert found == {"team.gone": "does not exist", "team.locked": "may not be written by the workers",
+    assert found == {"team.gone": "does not exist", "team.locked": "is not authorized for the workers' credentials",
                      "team..bad": "is not a valid topic name",
                      "__consumer_offsets": "is one of the broker's internal topics"}
     [(node, request)] = asked
