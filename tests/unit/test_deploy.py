@@ -4,7 +4,6 @@ with the topics file, the settings and itself (pools, lag triggers, drain, devic
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from pathlib import Path
 
