@@ -19,6 +19,7 @@ replies from its answer store instead of scoring it again.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import json
 import os
@@ -99,6 +100,23 @@ class Checkpoint(msgspec.Struct):
             return msgspec.json.decode(path.read_bytes(), type=cls)
         except FileNotFoundError:
             return None
+
+
+class JobRunning(RuntimeError):
+    pass
+
+
+def hold_job_lock(path: Path, job: str) -> int:
+    """An exclusive lock for one run of a job over one checkpoint; the kernel drops it when the process
+    ends, however it ends. Two runs over one checkpoint would each write every result."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise JobRunning(f"job {job} is already running over {path.with_suffix('.json')} (it holds {path}); "
+                         "wait for it, or stop it and run this command again to continue") from None
+    return fd
 
 
 def out_topic(name: str, partitions: int, source: dict) -> NewTopic:
@@ -203,8 +221,16 @@ class Backfill:
     # -- the run ---------------------------------------------------------------
 
     async def run(self) -> Checkpoint:
-        """Score what is left of the range; returns the checkpoint (`complete` unless stopped)."""
+        """Score what is left of the range; returns the checkpoint (`complete` unless stopped).
+        Raises `JobRunning` while another run of this job holds its checkpoint."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        lock = hold_job_lock(self.path.with_suffix(".lock"), self.job.id)
+        try:
+            return await self._run()
+        finally:
+            os.close(lock)
+
+    async def _run(self) -> Checkpoint:
         t0 = time.monotonic()
         cp = Checkpoint.load(self.path)
         if cp is not None and cp.complete:

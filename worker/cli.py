@@ -180,7 +180,7 @@ def cmd_backfill(args) -> int:
 
     from aiokafka.errors import KafkaError
 
-    from worker.backfill import Backfill, Job, render_summary
+    from worker.backfill import Backfill, Job, JobRunning, render_summary
     from worker.backfill_range import RangeError, parse_bound
 
     settings = _settings(args)
@@ -213,7 +213,7 @@ def cmd_backfill(args) -> int:
 
     try:
         bf, cp, seconds = asyncio.run(go())
-    except RangeError as exc:
+    except (RangeError, JobRunning) as exc:
         sys.exit(f"sluice backfill: {exc}")
     except KafkaError as exc:  # one line naming the broker, not a traceback; what was done is checkpointed
         sys.exit(f"sluice backfill: Kafka at {settings.kafka.bootstrap}: {exc}; "

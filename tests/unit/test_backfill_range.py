@@ -70,3 +70,33 @@ def test_the_output_topic_is_as_durable_as_the_source():
     assert (topic.name, topic.num_partitions, topic.replication_factor) == ("scored", 6, 3)
     assert out_topic("scored", 2, described(3, 6)).replication_factor == 3  # a partition being moved
     assert out_topic("scored", 1, described()).replication_factor == 1
+
+
+async def test_a_second_run_of_a_job_over_the_same_checkpoint_is_refused_until_the_first_ends(tmp_path):
+    """Refused before anything is read (the broker here cannot be reached); the lock goes with the
+    process that held it, so a killed run leaves nothing to clean up."""
+    import os
+    import subprocess
+    import sys
+
+    import topics
+    from worker.backfill import Backfill, Job, JobRunning, hold_job_lock
+    from worker.settings import load
+
+    job = Job(source="events", out="scored", template="fraud")
+    settings = load(environ={"SLUICE_KAFKA_BOOTSTRAP": "127.0.0.1:1"})
+    second = Backfill(settings, topics.load(), job, state_dir=tmp_path)
+    held = hold_job_lock(second.path.with_suffix(".lock"), job.id)
+    with pytest.raises(JobRunning, match=f"job {job.id} is already running"):
+        await second.run()
+    os.close(held)
+    # another process holding it, then killed: the next run may take it
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR);"
+                               " fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+                               str(second.path.with_suffix(".lock"))], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(JobRunning):
+        await second.run()
+    holder.kill()
+    holder.wait()
+    os.close(hold_job_lock(second.path.with_suffix(".lock"), job.id))
