@@ -166,7 +166,8 @@ class Backfill:
         finally:
             await admin.close()
 
-    async def _out_ends(self, consumer) -> dict[int, int]:
+    async def _out_span(self, consumer) -> tuple[dict[int, int], dict[int, int]]:
+        """Per output partition, its first offset and one past its last."""
         # asked by name: a refresh covers only the topics the consumer was assigned (the source, here),
         # and an output found with no partitions would be scanned for nothing
         parts = await consumer._client._wait_on_metadata(self.job.out)
@@ -174,11 +175,8 @@ class Backfill:
         consumer.assign(tps)
         ends = await consumer.end_offsets(tps)
         begins = await consumer.beginning_offsets(tps)
-        return {tp.partition: await true_end(consumer, tp, ends[tp], begins[tp]) for tp in tps}
-
-    async def _out_begins(self, consumer, ends: dict[int, int]) -> dict[int, int]:
-        tps = [TopicPartition(self.job.out, p) for p in ends]
-        return {tp.partition: off for tp, off in (await consumer.beginning_offsets(tps)).items()}
+        return ({tp.partition: begins[tp] for tp in tps},
+                {tp.partition: await true_end(consumer, tp, ends[tp], begins[tp]) for tp in tps})
 
     def _scan_from(self, after: dict[int, int]) -> dict[int, int]:
         """Per output partition, where a restart must read from: the lowest result not yet settled
@@ -242,10 +240,10 @@ class Backfill:
             if cp is None:
                 ranges = await resolve(probe, self.job.source, self.job.start, self.job.stop)
                 await self._ensure_out_topic(len(ranges))
-                ends = await self._out_ends(probe)
+                begins, ends = await self._out_span(probe)
                 # No checkpoint here, yet a run of this job elsewhere (another machine, a pod whose disk went
                 # with it) may have written results: the whole output is read for them, so none is written twice.
-                await self._scan_out(probe, await self._out_begins(probe, ends), ends)
+                await self._scan_out(probe, begins, ends)
                 cp = Checkpoint(self.job.id, ranges, {p: r[0] for p, r in ranges.items()}, self._scan_from(ends))
                 cp.save(self.path)
                 self.log(f"backfill {self.job.id}: {sum(e - s for s, e in ranges.values())} events in "
@@ -255,7 +253,7 @@ class Backfill:
                              "from an earlier run without this checkpoint; not written again")
             else:
                 self.log(f"backfill {self.job.id}: resuming from {self.path}")
-                await self._scan_out(probe, cp.scan_from, await self._out_ends(probe))
+                await self._scan_out(probe, cp.scan_from, (await self._out_span(probe))[1])
         finally:
             await stop_consumer(probe)
         if not cp.complete:

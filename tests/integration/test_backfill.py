@@ -123,10 +123,11 @@ async def test_the_output_is_found_after_the_probe_read_the_source(settings, cat
     await probe.start()
     try:
         await resolve(probe, source, None, None)
-        ends = await Backfill(settings, catalog, Job(source=source, out=out, template="fraud"))._out_ends(probe)
+        begins, ends = await Backfill(settings, catalog, Job(source=source, out=out, template="fraud"))._out_span(probe)
     finally:
         await stop_consumer(probe)
     assert set(ends) == {0, 1, 2} and sum(ends.values()) == 1
+    assert begins == {0: 0, 1: 0, 2: 0}
 
 
 @pytest.mark.slow
