@@ -288,6 +288,9 @@ async def main(args) -> None:
             print(f"  {part:32s} {100 * share:5.1f}%")
         print("\nhottest functions (own time):")
         stats.sort_stats("tottime").print_stats(15)
+        if args.profile_out:
+            stats.dump_stats(args.profile_out)
+            print(f"wrote {args.profile_out} (pstats: python -m pstats {args.profile_out})")
 
 
 if __name__ == "__main__":
@@ -297,6 +300,7 @@ if __name__ == "__main__":
     p.add_argument("--token-ms", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile-out", help="with --profile: also write the profile here, for pstats or snakeviz")
     p.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop",
                    help="event loop; `sluice worker` runs on uvloop when it is installed")
     a = p.parse_args()
