@@ -37,6 +37,7 @@ from schemas import DoneReply, ErrorReply
 from schemas.events import BackfillResult
 from worker.backfill_range import resolve, true_end
 from worker.consumer_stop import stop_consumer
+from worker.job_lease import LEASE_S, JobLease, LeaseUnavailable, lease_key
 from worker.unparseable import UNPARSEABLE, RecordRef, read_one_at_a_time
 from worker.offsets import OffsetTracker
 
@@ -139,8 +140,12 @@ def result_from_reply(reply, event_id: str, source: str, p: int, o: int, templat
 
 class Backfill:
     def __init__(self, settings, catalog, job: Job, state_dir: str | Path = ".sluice/backfill",
-                 max_in_flight: int = 512, latency_class: str = "batch", progress=None, log=print, signer=None):
+                 max_in_flight: int = 512, latency_class: str = "batch", progress=None, log=print, signer=None,
+                 lease: bool = True, lease_s: float = LEASE_S):
         self.s, self.catalog, self.job = settings, catalog, job
+        # across machines, one run at a time (worker/job_lease.py); False only where no other machine runs it
+        self.use_lease, self.lease_s = lease, lease_s
+        self.lease: JobLease | None = None
         self.path = Path(state_dir) / f"{job.id}.json"
         self.max_in_flight = max_in_flight
         self.signer = signer  # schemas.signing.Signer: the tenant's topic and signed records
@@ -220,13 +225,42 @@ class Backfill:
 
     async def run(self) -> Checkpoint:
         """Score what is left of the range; returns the checkpoint (`complete` unless stopped).
-        Raises `JobRunning` while another run of this job holds its checkpoint."""
+        Raises `JobRunning` while another run of this job holds its checkpoint, `LeaseHeld` while a run
+        elsewhere holds its lease, `LeaseLost` when this run stopped because it could no longer be sure
+        it held the lease."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         lock = hold_job_lock(self.path.with_suffix(".lock"), self.job.id)
         try:
-            return await self._run()
+            cp = await self._run()
         finally:
+            if self.lease is not None:
+                await self.lease.release()
+                await self._lease_client.aclose()
             os.close(lock)
+        if self.lease is not None and self.lease.lost is not None and not cp.complete:
+            self.lease.check()  # raises: stopped because the lease was lost, which is not a plain "stopped"
+        return cp
+
+    async def _take_lease(self) -> None:
+        """Before the output is read: a run elsewhere holding the lease may be writing results."""
+        from worker import job_lease
+
+        try:
+            client = await job_lease.connect(self.s.redis)
+        except Exception as exc:  # noqa: BLE001 - one line for the command
+            raise LeaseUnavailable(self.s.redis, exc) from None
+        lease = JobLease(client, lease_key(self.s.redis.key_prefix, self.job.id), self.job.id, self.lease_s,
+                         on_lost=self.stop.set)
+        try:
+            await lease.acquire(waiting=lambda who: self.log(
+                f"backfill {self.job.id}: waiting for the job's lease, held by {who}; a run that was killed "
+                f"leaves it for up to {self.lease_s:.0f} s"))
+        except BaseException as exc:
+            await client.aclose()
+            if isinstance(exc, Exception) and not isinstance(exc, job_lease.LeaseHeld):
+                raise LeaseUnavailable(self.s.redis, exc) from None
+            raise
+        self.lease, self._lease_client = lease, client
 
     async def _run(self) -> Checkpoint:
         t0 = time.monotonic()
@@ -237,6 +271,8 @@ class Backfill:
                                  isolation_level=self.s.kafka.isolation_level)
         try:
             await probe.start()
+            if self.use_lease:
+                await self._take_lease()
             if cp is None:
                 ranges = await resolve(probe, self.job.source, self.job.start, self.job.stop)
                 await self._ensure_out_topic(len(ranges))
@@ -305,6 +341,8 @@ class Backfill:
 
         async def emit(p: int, o: int, res: BackfillResult) -> None:
             try:
+                if self.lease is not None:
+                    self.lease.check()  # no result without the lease: another run may be writing them
                 fut = await producer.send(job.out, result_enc.encode(res), key=res.event_id.encode(),
                                           headers=[(JOB_HEADER, job.id.encode()), (SOURCE_HEADER, f"{p}:{o}".encode())])
                 meta = await fut

@@ -182,6 +182,7 @@ def cmd_backfill(args) -> int:
 
     from worker.backfill import Backfill, Job, JobRunning, render_summary
     from worker.backfill_range import RangeError, parse_bound
+    from worker.job_lease import LeaseHeld, LeaseLost, LeaseUnavailable
 
     settings = _settings(args)
     catalog = _catalog(settings)
@@ -189,6 +190,8 @@ def cmd_backfill(args) -> int:
         parse_bound(args.start), parse_bound(args.stop)
     except RangeError as exc:
         sys.exit(f"sluice backfill: {exc}")
+    if args.lease_s < 1:
+        sys.exit(f"sluice backfill: --lease-s {args.lease_s:g}: a lease needs at least 1 s to be renewed in time")
     if args.out == args.source or catalog.by_name(args.out) is not None:
         # results in a request topic would be read as requests; in the reply topic, pose as replies
         what = "the source" if args.out == args.source else "a topic of the workers (topics file)"
@@ -203,7 +206,8 @@ def cmd_backfill(args) -> int:
 
     async def go():
         bf = Backfill(settings, catalog, job, state_dir=args.state_dir, max_in_flight=args.max_in_flight,
-                      latency_class=args.latency_class, progress=progress, signer=_signer(args))
+                      latency_class=args.latency_class, progress=progress, signer=_signer(args),
+                      lease=not args.no_lease, lease_s=args.lease_s)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, bf.stop.set)
@@ -213,7 +217,7 @@ def cmd_backfill(args) -> int:
 
     try:
         bf, cp, seconds = asyncio.run(go())
-    except (RangeError, JobRunning) as exc:
+    except (RangeError, JobRunning, LeaseHeld, LeaseLost, LeaseUnavailable) as exc:
         sys.exit(f"sluice backfill: {exc}")
     except KafkaError as exc:  # one line naming the broker, not a traceback; what was done is checkpointed
         sys.exit(f"sluice backfill: Kafka at {settings.kafka.bootstrap}: {exc}; "
@@ -333,6 +337,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=0, help="tokens of generated rationale per event (default 0)")
     p.add_argument("--name", help="job name (default: derived from the arguments); names the checkpoint")
     p.add_argument("--state-dir", default=".sluice/backfill", help="where checkpoints live")
+    p.add_argument("--no-lease", action="store_true",
+                   help="run without the job's lease in Redis, which keeps a second run on another machine out; "
+                        "only where Redis cannot be reached and no other machine runs this job")
+    p.add_argument("--lease-s", type=float, default=30.0,
+                   help="how long the job's lease outlives a run that stops without releasing it (killed), and how "
+                        "long a run may go without renewing it before it stops writing (default 30)")
     p.add_argument("--max-in-flight", type=int, default=512)
     p.add_argument("--class", dest="latency_class", default="batch", choices=["realtime", "standard", "batch"])
     _tenant_args(p)

@@ -70,7 +70,8 @@ async def test_time_bounds_resolve_by_record_timestamp(settings, catalog):
 
 def backfill_cmd(source, out, state_dir, max_in_flight=16):
     return [sys.executable, "-m", "worker.cli", "backfill", "--source", source, "--out", out, "--template", "fraud",
-            "--state-dir", str(state_dir), "--max-in-flight", str(max_in_flight)]
+            "--state-dir", str(state_dir), "--max-in-flight", str(max_in_flight),
+            "--lease-s", "5"]  # the killed run's lease ends soon; the run after it waits for that
 
 
 async def run_backfill(source, out, state_dir, env, timeout_s: float) -> bytes:
