@@ -271,7 +271,7 @@ def cmd_demo(args) -> int:
     return demo_main(args)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     from worker import devstack
 
     parser = argparse.ArgumentParser(prog="sluice", description="Kafka-fed streaming LLM inference on vLLM")
@@ -370,8 +370,11 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=60)
     p.add_argument("--keep-up", action="store_true", help="leave the embedded stack running afterwards")
     p.set_defaults(fn=cmd_demo)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     return args.fn(args)
 
 

@@ -33,8 +33,8 @@ def kubectl_installed():
     need_tool("kubectl")  # it renders kustomize
 
 
-def render(overlay: str) -> list[dict]:
-    out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)], check=True,
+def render(overlay: str, where: Path = K8S / "overlays") -> list[dict]:
+    out = subprocess.run(["kubectl", "kustomize", str(where / overlay)], check=True,
                          capture_output=True, text=True).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
@@ -124,7 +124,7 @@ def test_the_dev_profile_keeps_the_topics_file_and_unknown_profiles_are_refused(
 
 
 def test_the_cluster_settings_file_loads_and_holds_no_credentials():
-    path = K8S / "shared" / "sluice.toml"
+    path = K8S / "settings" / "sluice.toml"
     s = load(path, environ={})
     assert s.kafka.security_protocol == "SASL_SSL" and s.kafka.sasl_password is None
     assert "password" not in path.read_text().replace("SLUICE_KAFKA_SASL_PASSWORD", "")
@@ -134,7 +134,7 @@ def test_the_cluster_settings_file_loads_and_holds_no_credentials():
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_pools_scale_on_their_own_lag_and_drain_before_they_are_killed(overlay):
     docs = render(overlay)
-    cluster = load(K8S / "shared" / "sluice.toml", environ={}).worker
+    cluster = load(K8S / "settings" / "sluice.toml", environ={}).worker
     drain_s, stop_s = cluster.drain_grace_s, cluster.drain_grace_s + cluster.stop_margin_s
     class_topics = {t.latency_class: t.name for t in topics.load().requests}
     deployments = {d["metadata"]["name"]: d for d in of_kind(docs, "Deployment")}
@@ -182,3 +182,36 @@ def test_each_accelerator_overlay_asks_for_its_device(overlay, device, resource)
         assert container["image"].endswith(":" + ("ascend" if device == "npu" else device))
         limits = container["resources"]["limits"]
         assert (limits.get(resource) == "1") if resource else not any("/" in k for k in limits)
+
+
+@kubectl
+def test_the_backfill_job_validates_reads_the_workers_settings_and_runs_a_range_the_cli_accepts():
+    import kubernetes_validate
+
+    from worker.cli import build_parser
+
+    docs = render("backfill", K8S)
+    for d in docs:
+        kubernetes_validate.validate(d, KUBERNETES, strict=True)
+    (job,) = of_kind(docs, "Job")
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    # the same ConfigMap (by its generated name) and Secrets as the workers
+    workers = of_kind(render("cpu"), "Deployment")[0]
+    assert of_kind(docs, "ConfigMap")[0]["metadata"]["name"] == \
+        next(v["configMap"]["name"] for v in workers["spec"]["template"]["spec"]["volumes"] if "configMap" in v)
+    env = env_of(job)
+    assert env["SLUICE_REDIS_URL"] == env_of(workers)["SLUICE_REDIS_URL"]  # the lease lives there
+    assert env["SLUICE_KAFKA_SASL_PASSWORD"] == env_of(workers)["SLUICE_KAFKA_SASL_PASSWORD"]
+    # arguments the command accepts, a fixed range (a retry without its checkpoint scores the same
+    # events), and the checkpoint on a writable volume
+    args = build_parser().parse_args(container["args"])
+    assert args.command == "backfill" and args.name and args.start and args.stop and not args.no_lease
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert args.state_dir in mounts and container["securityContext"]["readOnlyRootFilesystem"]
+    # no replacement while the pod before it runs; refused arguments end the Job instead of retrying
+    assert job["spec"]["podReplacementPolicy"] == "Failed" and pod["restartPolicy"] == "Never"
+    (rule,) = job["spec"]["podFailurePolicy"]["rules"]
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["backfill", "--source", "t"])
+    assert rule["action"] == "FailJob" and rule["onExitCodes"]["values"] == [refused.value.code] == [2]
