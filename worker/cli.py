@@ -183,6 +183,7 @@ def cmd_backfill(args) -> int:
     from worker.backfill import Backfill, Job, JobRunning, render_summary
     from worker.backfill_range import RangeError, parse_bound
     from worker.job_lease import LeaseHeld, LeaseLost, LeaseUnavailable
+    from worker.progress_lines import LineProgress
 
     settings = _settings(args)
     catalog = _catalog(settings)
@@ -201,6 +202,8 @@ def cmd_backfill(args) -> int:
               name=args.name)
 
     def progress(total, initial):
+        if not sys.stderr.isatty():  # a pod's log or a file: whole lines, not a bar redrawn in one line
+            return LineProgress(total, initial, desc=f"backfill {job.id}")
         return tqdm(total=total, initial=initial, desc=f"backfill {job.id}", unit="ev", mininterval=1,
                     dynamic_ncols=True)
 

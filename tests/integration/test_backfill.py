@@ -166,6 +166,8 @@ async def test_backfill_killed_midway_resumes_with_one_result_per_event(settings
         # the output by their job header and writes none of them again
         output = await run_backfill(source, out, tmp_path / "elsewhere", env, 400)
         assert b"already in" in output and b"histogram" in output, output.decode()[-3000:]
+        # its output is a pipe, not a terminal: progress in whole lines, not a bar redrawn with \r
+        assert b"\r" not in output and b" ev/s, " in output, output.decode()[-3000:]
         assert len(await read_all(settings, out)) == len(records)
 
         # the first run's own checkpoint, still unfinished, resumes and writes nothing more
