@@ -18,8 +18,8 @@ class Drift:
         return f"{self.topic}: {self.what}"
 
 
-async def _describe(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, int]:
-    """Partition counts of the named topics that exist."""
+async def _describe(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, tuple[int, int]]:
+    """(partition count, fewest replicas of any partition) of the named topics that exist."""
     existing = set(await admin.list_topics())
     wanted = [n for n in names if n in existing]
     if not wanted:
@@ -27,19 +27,25 @@ async def _describe(admin: AIOKafkaAdminClient, names: list[str]) -> dict[str, i
     out = {}
     for meta in await admin.describe_topics(wanted):
         if meta.get("error_code", 0) == 0:
-            out[meta["topic"]] = len(meta["partitions"])
+            parts = meta["partitions"]
+            out[meta["topic"]] = (len(parts), min((len(p["replicas"]) for p in parts), default=0))
     return out
 
 
 async def diff(admin: AIOKafkaAdminClient, catalog: Catalog) -> tuple[list[str], list[Drift]]:
-    """(missing topic names, drift of the ones that exist)."""
+    """(missing topic names, drift of the ones that exist): a partition count other than the
+    catalog's, or fewer replicas than it asks for (more are no loss)."""
     have = await _describe(admin, [t.name for t in catalog.topic])
     missing = [t.name for t in catalog.topic if t.name not in have]
-    drift = [
-        Drift(t.name, f"{have[t.name]} partitions, catalog says {t.partitions}")
-        for t in catalog.topic
-        if t.name in have and have[t.name] != t.partitions
-    ]
+    drift = []
+    for t in catalog.topic:
+        if t.name not in have:
+            continue
+        partitions, replicas = have[t.name]
+        if partitions != t.partitions:
+            drift.append(Drift(t.name, f"{partitions} partitions, catalog says {t.partitions}"))
+        if replicas < t.replication_factor:
+            drift.append(Drift(t.name, f"{replicas} replicas, catalog says {t.replication_factor}"))
     return missing, drift
 
 

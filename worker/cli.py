@@ -70,8 +70,11 @@ def cmd_topics(args) -> int:
 
     settings = _settings(args)
     catalog = _catalog(settings)
+    # render writes cluster resources (production by default); apply and check keep the file's values
+    # unless told otherwise, so that `sluice topics apply` suits the one-node embedded broker
+    catalog = with_profile(catalog, args.profile or ("production" if args.action == "render" else "dev"))
     if args.action == "render":
-        text = strimzi(with_profile(catalog, args.profile), cluster=args.cluster)
+        text = strimzi(catalog, cluster=args.cluster)
         if args.out:
             Path(args.out).write_text(text)
         else:
@@ -87,7 +90,8 @@ def cmd_topics(args) -> int:
     for d in drift:
         print(f"drift: {d}")
     if not missing and not drift:
-        print(f"ok: {len(catalog.topic)} topics match {settings.worker.topics_file or 'topics/default.toml'}")
+        print(f"ok: {len(catalog.topic)} topics match {settings.worker.topics_file or 'topics/default.toml'}"
+              + (" with the production profile" if args.profile == "production" else ""))
     if args.action == "check":
         return 1 if missing or drift else 0
     return 1 if drift else 0
@@ -297,8 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("topics", help="create missing topics / check for drift / render Strimzi KafkaTopics")
     p.add_argument("action", choices=["apply", "check", "render"])
     p.add_argument("--format", choices=["strimzi"], default="strimzi", help="render: the resource kind")
-    p.add_argument("--profile", choices=["dev", "production"], default="production",
-                   help="render: production stores 3 replicas, min.insync.replicas 2; dev keeps the topics file")
+    p.add_argument("--profile", choices=["dev", "production"], default=None,
+                   help="production: 3 replicas, min.insync.replicas 2 (the default of render); dev: the topics "
+                        "file's own values (the default of apply and check)")
     p.add_argument("--cluster", default="sluice", help="render: the Strimzi Kafka cluster (strimzi.io/cluster)")
     p.add_argument("--out", help="render: write here instead of stdout")
     p.set_defaults(fn=cmd_topics)

@@ -70,6 +70,10 @@ async def test_topics_apply_then_check_reports_drift(stack, settings, tmp_path):
     assert f"drift: {prefix}sluice.dlq: 3 partitions, catalog says 1" in applied.stdout
     again = sluice("topics", "check", env=env)
     assert again.returncode == 1 and "missing" not in again.stdout and "drift" in again.stdout
+    # the production profile asks for 3 replicas: every topic of this one-node broker has 1
+    production = sluice("topics", "check", "--profile", "production", env=env)
+    assert production.returncode == 1 and production.stdout.count("1 replicas, catalog says 3") == others + 1, \
+        production.stdout
 
 
 async def test_a_worker_started_before_its_topics_exist_refuses_to_start_and_creates_none(stack, settings, tmp_path):

@@ -215,3 +215,14 @@ def test_the_backfill_job_validates_reads_the_workers_settings_and_runs_a_range_
     with pytest.raises(SystemExit) as refused:
         build_parser().parse_args(["backfill", "--source", "t"])
     assert rule["action"] == "FailJob" and rule["onExitCodes"]["values"] == [refused.value.code] == [2]
+
+
+def test_topics_render_writes_the_production_profile_unless_told_otherwise(capsys):
+    from worker.cli import main
+
+    assert main(["topics", "render"]) == 0
+    rendered = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    assert rendered and all(d["spec"]["replicas"] == 3 for d in rendered)
+    assert main(["topics", "render", "--profile", "dev"]) == 0
+    dev = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+    assert [d["spec"]["replicas"] for d in dev] == [t.replication_factor for t in topics.load().topic]
