@@ -22,7 +22,10 @@ import structlog
 
 LEASE_S = 30.0
 DRIFT_S = 1.0  # how far this machine's clock may run behind Redis's over one lease
-_RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
+# 1: renewed; 0: another run holds it; -1: gone (expired, or lost with a Redis master that failed over
+# before it was copied): a run elsewhere may have held it meanwhile, so it is not taken again
+_RENEW = ("local v = redis.call('GET', KEYS[1]) if v == ARGV[1] then redis.call('PEXPIRE', KEYS[1], ARGV[2]) "
+          "return 1 elseif v then return 0 end return -1")
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 log = structlog.get_logger("sluice.backfill")
@@ -99,10 +102,12 @@ class JobLease:
         if sent >= self.valid_until:
             self._lose(f"its lease was not renewed within {self.lease_s:.0f} s")
             return False
-        if await self.client.eval(_RENEW, 1, self.key, self.holder, self._ms()):
+        renewed = await self.client.eval(_RENEW, 1, self.key, self.holder, self._ms())
+        if renewed == 1:
             self.valid_until = sent + self.lease_s - self._margin()
             return True
-        self._lose("another run took its lease")
+        self._lose("another run took its lease" if renewed == 0 else
+                   "its lease was gone from Redis (lost in a failover, or ended)")
         return False
 
     async def _renew_loop(self) -> None:

@@ -52,6 +52,14 @@ async def test_one_holder_at_a_time_and_a_killed_holders_lease_ends_on_its_own(s
         assert not await second.renew() and second.lost == "another run took its lease"
         await second.release()
         assert await client.get(key) == b"another run"
+        # a lease that vanished (a failover lost it) is lost too, and not taken again: a run elsewhere
+        # may have held it in between
+        third = JobLease(client, key, "job", lease_s=2)
+        await client.delete(key)
+        await third.acquire()
+        await client.delete(key)
+        assert not await third.renew() and "gone from Redis" in third.lost
+        assert await client.get(key) is None
     finally:
         await client.delete(key)
         await client.aclose()
