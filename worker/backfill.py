@@ -23,6 +23,7 @@ import fcntl
 import hashlib
 import json
 import os
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
 from loadgen.burst import ReplyReader
-from schemas import DoneReply, ErrorReply
+from schemas import DoneReply, ErrorCode, ErrorReply
 from schemas.events import BackfillResult
 from worker.backfill_range import resolve, true_end
 from worker.consumer_stop import stop_consumer
@@ -156,6 +157,9 @@ class Backfill:
         self._enc = msgspec.json.Encoder()
         # results whose source offset is above the checkpointed watermark: (p, o) -> (out partition, offset, result)
         self._landed: dict[tuple[int, int], tuple[int, int, BackfillResult]] = {}
+        # each unanswered request as published (value, headers): one answered `overloaded` is published again
+        self._published: dict[str, tuple[bytes, list]] = {}
+        self.republished = 0
 
     # -- setup -----------------------------------------------------------------
 
@@ -357,12 +361,27 @@ class Backfill:
             if bar:
                 bar.update(1)
 
+        async def publish_again(rid: str, after_ms: int) -> None:
+            # the workers' hint, plus up to a fifth more, so that refused requests do not return together
+            await asyncio.sleep(after_ms / 1000 * (1 + random.random() / 5))
+            if rid in pending and not self.stop.is_set():
+                value, headers = self._published[rid]
+                await producer.send(self.request_topic, value, key=rid.encode(), headers=headers)
+
         async def replies() -> None:
             while True:
                 async for reply in reader.records(timeout_ms=100):
-                    if isinstance(reply, (DoneReply, ErrorReply)) and reply.id in pending:
-                        p, o, event_id = pending.pop(reply.id)  # a repeated final finds nothing pending
-                        asyncio.create_task(emit(p, o, result_from_reply(reply, event_id, source, p, o, job.template)))
+                    if not isinstance(reply, (DoneReply, ErrorReply)) or reply.id not in pending:
+                        continue
+                    if isinstance(reply, ErrorReply) and reply.code == ErrorCode.OVERLOADED:
+                        # not run and not stored (the wire contract): published again with its id, never a result
+                        self.republished += 1
+                        later.add(asyncio.create_task(publish_again(reply.id, reply.retry_after_ms or 1000)))
+                        later.difference_update([t for t in later if t.done()])
+                        continue
+                    p, o, event_id = pending.pop(reply.id)  # a repeated final finds nothing pending
+                    self._published.pop(reply.id, None)
+                    asyncio.create_task(emit(p, o, result_from_reply(reply, event_id, source, p, o, job.template)))
 
         async def checkpoints() -> None:
             while True:
@@ -402,6 +421,7 @@ class Backfill:
             while pending or tracker.pending():
                 await asyncio.sleep(0.1)
 
+        later: set[asyncio.Task] = set()
         tasks = [asyncio.create_task(replies()), asyncio.create_task(checkpoints())]
         work = asyncio.create_task(intake())
         stopped = asyncio.create_task(self.stop.wait())
@@ -420,9 +440,12 @@ class Backfill:
                 self._fold(cp)
                 cp.complete = True
         finally:
-            for t in (*tasks, work, stopped):
+            for t in (*tasks, work, stopped, *later):
                 t.cancel()
-            await asyncio.gather(*tasks, work, stopped, return_exceptions=True)
+            await asyncio.gather(*tasks, work, stopped, *later, return_exceptions=True)
+            if self.republished:
+                self.log(f"backfill {job.id}: {self.republished} requests were answered overloaded (the tenant's "
+                         "limits) and published again after the workers' hint")
             if bar:
                 bar.close()
             await stop_consumer(consumer)
@@ -456,8 +479,9 @@ class Backfill:
         if self.job.labels:
             body["labels"] = list(self.job.labels)
         value = self._enc.encode(body)
-        await producer.send(self.request_topic, value, key=rid.encode(),
-                            headers=self.signer.headers(rid.encode(), value) if self.signer else [])
+        headers = self.signer.headers(rid.encode(), value) if self.signer else []
+        self._published[rid] = (value, headers)
+        await producer.send(self.request_topic, value, key=rid.encode(), headers=headers)
 
 
 async def read_one_by_one(consumer, tps: list, tracker: OffsetTracker, done: dict[int, int]) -> dict:

@@ -226,3 +226,29 @@ async def test_a_source_record_the_client_cannot_read_gets_an_error_result_and_t
     bad = results["0:3"]
     assert bad.offset == 3 and bad.error_code == "invalid_request" and "could not read" in bad.error
     assert all(results[e["id"]].error_code is None and results[e["id"]].scores for e in events)
+
+
+async def test_requests_answered_overloaded_are_published_again_and_never_written_as_results(settings, catalog, engine,
+                                                                                           group_id, tmp_path):
+    """A tenant's in-flight limit answers most of a burst `overloaded` (not run, not stored): the backfill
+    publishes each again after the hint, and every event ends with its score."""
+    from worker.backfill import Backfill, Job
+
+    prefix = catalog.replies.name[: -len("sluice.replies")]
+    source, out = f"{prefix}limited-src", f"{prefix}limited-out"
+    await create_topic(settings, source, 1)
+    events = transactions(24, seed=8)
+    await produce(settings.kafka.options(), [(source, e["id"].encode(), msgspec.json.encode(e), []) for e in events])
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text("[tenant.default]\nmax_in_flight = 2\nretry_after_ms = 200\n")
+    said = []
+    async with running_worker(settings, catalog, engine, group_id=group_id, tenancy_tenants_file=str(tenants)):
+        bf = Backfill(settings, catalog, Job(source=source, out=out, template="fraud"), state_dir=tmp_path / "state",
+                      max_in_flight=16, log=said.append)
+        cp = await asyncio.wait_for(bf.run(), 300)
+    results = [msgspec.json.decode(r.value, type=BackfillResult) for r in await read_all(settings, out)]
+    assert not [r for r in results if r.error_code], [r.error_code for r in results if r.error_code]
+    assert cp.complete and cp.errors == 0 and len(results) == len(events)
+    assert {r.event_id for r in results} == {e["id"] for e in events}
+    assert bf.republished > 0, "the limit was never reached: this test shows nothing"
+    assert any("answered overloaded" in line for line in said), said
