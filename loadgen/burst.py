@@ -63,8 +63,8 @@ class ReplyReader:
     its last batch, so "seek to end" alone can replay the tail of that batch.
     """
 
-    def __init__(self, kafka_opts: dict, topic: str):
-        self.topic = topic
+    def __init__(self, kafka_opts: dict, topic: str, decode: bool = True):
+        self.topic, self.decode = topic, decode  # decode=False: the records themselves (a DLQ's)
         self.consumer = AIOKafkaConsumer(**kafka_opts, enable_auto_commit=False,
                                          auto_offset_reset="earliest", fetch_max_wait_ms=50)
         self.codec = ReplyCodec()
@@ -93,7 +93,7 @@ class ReplyReader:
         batches = await self.consumer.getmany(timeout_ms=timeout_ms)
         for recs in batches.values():
             for rec in recs:
-                yield self.codec.decode(rec.value)
+                yield self.codec.decode(rec.value) if self.decode else rec
 
     async def stop(self) -> None:
         await stop_consumer(self.consumer)

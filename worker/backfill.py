@@ -34,7 +34,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
 from loadgen.burst import ReplyReader
-from schemas import DoneReply, ErrorCode, ErrorReply
+from schemas import DoneReply, ErrorCode, ErrorReply, dlq
 from schemas.events import BackfillResult
 from worker.backfill_range import resolve, true_end
 from worker.consumer_stop import stop_consumer
@@ -106,6 +106,11 @@ class Checkpoint(msgspec.Struct):
 
 class JobRunning(RuntimeError):
     pass
+
+
+class DeadLettered(RuntimeError):
+    """The workers dead-lettered one of the job's requests: no reply will come for it (a tenant's
+    signature refused, say), and every other request of the job would go the same way."""
 
 
 def hold_job_lock(path: Path, job: str) -> int:
@@ -320,6 +325,8 @@ class Backfill:
         job, source = self.job, self.job.source
         reader = ReplyReader(self.s.kafka.options(), self.catalog.replies.name)
         await reader.start()
+        dead = ReplyReader(self.s.kafka.options(), self.catalog.dlq.name, decode=False)
+        await dead.start()
         producer = AIOKafkaProducer(**self.s.kafka.options(), acks="all", linger_ms=5)
         await producer.start()
         consumer = AIOKafkaConsumer(**self.s.kafka.options(), enable_auto_commit=False, fetch_max_wait_ms=50,
@@ -383,6 +390,21 @@ class Backfill:
                     self._published.pop(reply.id, None)
                     asyncio.create_task(emit(p, o, result_from_reply(reply, event_id, source, p, o, job.template)))
 
+        async def dead_letters() -> None:
+            # a request dead-lettered gets no reply: without this the job would wait for it for ever
+            while True:
+                async for rec in dead.records(timeout_ms=500):
+                    rid = (rec.key or b"").decode("utf-8", "replace")
+                    if rid in pending:
+                        why = dict(rec.headers or ())
+                        failures.append(DeadLettered(
+                            f"the workers dead-lettered request {rid} of job {job.id} "
+                            f"({why.get(dlq.ERROR_CODE, b'?').decode()}: {why.get(dlq.ERROR_MESSAGE, b'').decode()}) "
+                            f"and would do the same with the rest; nothing is written for it. Fix that, then the same "
+                            f"command continues from the checkpoint"))
+                        self.stop.set()
+                        return
+
         async def checkpoints() -> None:
             while True:
                 await asyncio.sleep(1.0)
@@ -422,7 +444,7 @@ class Backfill:
                 await asyncio.sleep(0.1)
 
         later: set[asyncio.Task] = set()
-        tasks = [asyncio.create_task(replies()), asyncio.create_task(checkpoints())]
+        tasks = [asyncio.create_task(replies()), asyncio.create_task(checkpoints()), asyncio.create_task(dead_letters())]
         work = asyncio.create_task(intake())
         stopped = asyncio.create_task(self.stop.wait())
         try:
@@ -451,6 +473,7 @@ class Backfill:
             await stop_consumer(consumer)
             await producer.stop()
             await reader.stop()
+            await dead.stop()
 
     def _unreadable_result(self, rec: RecordRef) -> BackfillResult:
         return BackfillResult(event_id=f"{rec.partition}:{rec.offset}", topic=self.job.source, partition=rec.partition,

@@ -184,7 +184,7 @@ def cmd_backfill(args) -> int:
 
     from aiokafka.errors import KafkaError
 
-    from worker.backfill import Backfill, Job, JobRunning, render_summary
+    from worker.backfill import Backfill, DeadLettered, Job, JobRunning, render_summary
     from worker.backfill_range import RangeError, parse_bound
     from worker.job_lease import LeaseHeld, LeaseLost, LeaseUnavailable
     from worker.progress_lines import LineProgress
@@ -224,7 +224,7 @@ def cmd_backfill(args) -> int:
 
     try:
         bf, cp, seconds = asyncio.run(go())
-    except (RangeError, JobRunning, LeaseHeld, LeaseLost, LeaseUnavailable) as exc:
+    except (RangeError, JobRunning, LeaseHeld, LeaseLost, LeaseUnavailable, DeadLettered) as exc:
         sys.exit(f"sluice backfill: {exc}")
     except KafkaError as exc:  # one line naming the broker, not a traceback; what was done is checkpointed
         sys.exit(f"sluice backfill: Kafka at {settings.kafka.bootstrap}: {exc}; "

@@ -252,3 +252,28 @@ async def test_requests_answered_overloaded_are_published_again_and_never_writte
     assert {r.event_id for r in results} == {e["id"] for e in events}
     assert bf.republished > 0, "the limit was never reached: this test shows nothing"
     assert any("answered overloaded" in line for line in said), said
+
+
+async def test_a_job_whose_requests_are_dead_lettered_fails_at_once_naming_why(settings, catalog, engine, group_id,
+                                                                             tmp_path):
+    """Signed with a key the workers do not hold: each request is dead-lettered and never answered.
+    The job stops with the dead letter's reason instead of waiting for replies that will not come."""
+    import base64
+
+    from schemas.signing import Signer
+    from worker.backfill import Backfill, DeadLettered, Job
+
+    prefix = catalog.replies.name[: -len("sluice.replies")]
+    source, out = f"{prefix}unsigned-src", f"{prefix}unsigned-out"
+    await create_topic(settings, source, 1)
+    events = transactions(5, seed=9)
+    await produce(settings.kafka.options(), [(source, e["id"].encode(), msgspec.json.encode(e), []) for e in events])
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenant.acme]\nsigning_keys = {{ k1 = "{base64.b64encode(b"the-right-key" * 3).decode()}" }}\n')
+    async with running_worker(settings, catalog, engine, group_id=group_id, tenancy_mode="signed",
+                              tenancy_tenants_file=str(tenants)):
+        bf = Backfill(settings, catalog, Job(source=source, out=out, template="fraud"), state_dir=tmp_path / "state",
+                      signer=Signer("acme", "k1", b"a-wrong-key" * 3), log=lambda *_: None)
+        with pytest.raises(DeadLettered, match="does not verify"):
+            await asyncio.wait_for(bf.run(), 120)
+    assert await read_all(settings, out) == []
