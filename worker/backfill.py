@@ -409,6 +409,8 @@ class Backfill:
             while True:
                 await asyncio.sleep(1.0)
                 checkpoint()
+                if bar:
+                    bar.update(0)  # progress lines keep coming while nothing moves (workers away, say)
 
         async def intake() -> None:
             consumer.assign(list(tps.values()))
