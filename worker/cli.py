@@ -192,9 +192,11 @@ def cmd_backfill(args) -> int:
     settings = _settings(args)
     catalog = _catalog(settings)
     try:
-        parse_bound(args.start), parse_bound(args.stop)
+        first, last = parse_bound(args.start), parse_bound(args.stop)
     except RangeError as exc:
         sys.exit(f"sluice backfill: {exc}")
+    if first is not None and last is not None and type(first) is type(last) and first > last:
+        sys.exit(f"sluice backfill: --from {args.start} is after --to {args.stop}: the range would hold no event")
     if args.lease_s < 1:
         sys.exit(f"sluice backfill: --lease-s {args.lease_s:g}: a lease needs at least 1 s to be renewed in time")
     if args.out == args.source or catalog.by_name(args.out) is not None:

@@ -100,3 +100,15 @@ async def test_a_second_run_of_a_job_over_the_same_checkpoint_is_refused_until_t
     holder.kill()
     holder.wait()
     os.close(hold_job_lock(second.path.with_suffix(".lock"), job.id))
+
+
+@pytest.mark.parametrize("start,stop", [("20", "10"), ("2026-12-01T00:00:00Z", "2026-11-01T00:00:00+01:00")])
+def test_a_range_that_ends_before_it_starts_is_refused_before_anything_is_read(start, stop, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "worker.cli", "backfill", "--source", "payments.tx", "--out", "res.x",
+                        "--template", "fraud", "--from", start, "--to", stop, "--state-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "SLUICE_KAFKA_BOOTSTRAP": "127.0.0.1:1"})
+    assert r.returncode == 1 and f"--from {start} is after --to {stop}" in r.stderr, r.stderr
