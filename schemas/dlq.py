@@ -78,6 +78,11 @@ def fit(key: bytes | None, value: bytes | None, original_headers, dlq_headers: l
     return key, value, hdrs
 
 
+def own_headers(headers_in) -> list[tuple[str, bytes]]:
+    """The headers a dead letter's record carried itself: its headers without the dead letter's."""
+    return [(k, v) for k, v in (headers_in or ()) if k not in _NAMES]
+
+
 def parse(headers_in) -> dict[str, str]:
     """Header list (as aiokafka returns it) to a dict of the DLQ fields."""
     return {k: v.decode() for k, v in (headers_in or ()) if k in _NAMES and v is not None}

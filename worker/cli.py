@@ -240,6 +240,38 @@ def cmd_backfill(args) -> int:
     return 0
 
 
+def cmd_dlq(args) -> int:
+    from aiokafka.errors import KafkaError
+
+    from worker.backfill_range import RangeError
+    from worker.dead_letters import read, replay
+
+    settings = _settings(args)
+    catalog = _catalog(settings)
+    topic = catalog.dlq.name
+    try:
+        letters = asyncio.run(read(settings.kafka.options(), topic, args.since, args.code))
+        if args.action == "show":
+            shown = letters[-args.limit:] if args.limit else letters
+            for letter in shown:
+                print(letter.line())
+            print(f"{len(letters)} dead letters in {topic}" + (f" since {args.since}" if args.since else "")
+                  + (f" with code {args.code}" if args.code else "") + (f"; the last {len(shown)} shown"
+                                                                         if len(shown) < len(letters) else ""))
+            return 0
+        sent, skipped = asyncio.run(replay(settings.kafka.options(), letters, {t.name for t in catalog.requests},
+                                           dry_run=args.dry_run))
+    except RangeError as exc:
+        sys.exit(f"sluice dlq: {exc}")
+    except KafkaError as exc:
+        sys.exit(f"sluice dlq: Kafka at {settings.kafka.bootstrap}: {exc!r}")
+    for letter, why in skipped:
+        print(f"skipped {letter.partition}:{letter.offset} ({why})")
+    print(f"{'would publish' if args.dry_run else 'published'} {len(sent)} dead letters again to their request "
+          f"topics; skipped {len(skipped)}")
+    return 0
+
+
 def cmd_chaos(args) -> int:
     from tqdm import tqdm
 
@@ -357,6 +389,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--class", dest="latency_class", default="batch", choices=["realtime", "standard", "batch"])
     _tenant_args(p)
     p.set_defaults(fn=cmd_backfill)
+
+    p = sub.add_parser("dlq", help="dead letters: show them, or publish them again to their request topic once "
+                                   "the cause is fixed")
+    p.add_argument("action", choices=["show", "replay"])
+    p.add_argument("--since", help="ISO time, or an offset in every partition (default: the beginning)")
+    p.add_argument("--code", help="only dead letters with this error code")
+    p.add_argument("--limit", type=int, default=50, help="show: the last N (0: all)")
+    p.add_argument("--dry-run", action="store_true", help="replay: say what would be published, publish nothing")
+    p.set_defaults(fn=cmd_dlq)
 
     p = sub.add_parser("chaos", help="seeded workload, fuzzed records and faults against worker processes; audited")
     p.add_argument("--engine", choices=["fake", "vllm"], default="fake",

@@ -1,0 +1,109 @@
+"""`sluice dlq show | replay`: what the workers dead-lettered, and publishing it again once the
+cause is fixed (a tenant key the workers lacked, a reply topic created since).
+
+A replay publishes a dead letter's original key, value and own headers to the request topic it
+came from, so a signed record still verifies. It never writes anywhere but the workers' request
+topics, and skips what it cannot send back whole: a dead letter cut to fit (read the source record
+itself) and a record the Kafka client could not read (its bytes are only in the source).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from schemas import dlq
+from worker.backfill_range import resolve
+from worker.consumer_stop import stop_consumer
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    partition: int
+    offset: int
+    timestamp_ms: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple
+
+    @property
+    def fields(self) -> dict[str, str]:
+        return dlq.parse(self.headers)
+
+    @property
+    def code(self) -> str:
+        return self.fields.get(dlq.ERROR_CODE, "?")
+
+    @property
+    def source(self) -> tuple[str, int, int] | None:
+        f = self.fields
+        try:
+            return f[dlq.SOURCE_TOPIC], int(f[dlq.SOURCE_PARTITION]), int(f[dlq.SOURCE_OFFSET])
+        except (KeyError, ValueError):
+            return None
+
+    def why_not_replayable(self, request_topics: set[str]) -> str | None:
+        if self.source is None:
+            return "no source named"
+        if self.source[0] not in request_topics:
+            return "its source is not a request topic of the workers"
+        if dlq.TRUNCATED in self.fields:
+            return "cut to fit: read the source record itself"
+        if not self.value and self.key is None:
+            return "the Kafka client could not read it: its bytes are only in the source"
+        return None
+
+    def line(self) -> str:
+        when = datetime.fromtimestamp(self.timestamp_ms / 1000, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        where = "{}:{}:{}".format(*self.source) if self.source else "?"
+        key = (self.key or b"").decode("utf-8", "replace")[:60]
+        value = repr((self.value or b"")[:80])
+        message = self.fields.get(dlq.ERROR_MESSAGE, "")
+        cut = " (cut to fit)" if dlq.TRUNCATED in self.fields else ""
+        return f"{when}  {where}  {self.code}: {message}{cut}\n    key={key!r} value={value}"
+
+
+async def read(kafka_opts: dict, topic: str, since: str | None = None, code: str | None = None) -> list[DeadLetter]:
+    """The dead letters of `topic` from `since` (an ISO time or an offset; None: the beginning), oldest
+    first per partition, with `code` only if given."""
+    consumer = AIOKafkaConsumer(**kafka_opts, enable_auto_commit=False, fetch_max_wait_ms=50)
+    await consumer.start()
+    out: list[DeadLetter] = []
+    try:
+        ranges = await resolve(consumer, topic, since, None)
+        for p, (lo, hi) in ranges.items():
+            tp = TopicPartition(topic, p)
+            if lo >= hi:
+                continue
+            consumer.assign([tp])
+            consumer.seek(tp, lo)
+            while await consumer.position(tp) < hi:
+                for rec in (await consumer.getmany(tp, timeout_ms=500)).get(tp, []):
+                    if rec.offset >= hi:
+                        break
+                    letter = DeadLetter(p, rec.offset, rec.timestamp, rec.key, rec.value, tuple(rec.headers or ()))
+                    if code is None or letter.code == code:
+                        out.append(letter)
+    finally:
+        await stop_consumer(consumer)
+    return sorted(out, key=lambda d: (d.timestamp_ms, d.partition, d.offset))
+
+
+async def replay(kafka_opts: dict, letters: list[DeadLetter], request_topics: set[str],
+                 dry_run: bool = False) -> tuple[list[DeadLetter], list[tuple[DeadLetter, str]]]:
+    """(sent, [(skipped, why)]); each sent one acknowledged by the broker unless `dry_run`."""
+    sendable = [d for d in letters if d.why_not_replayable(request_topics) is None]
+    skipped = [(d, why) for d in letters if (why := d.why_not_replayable(request_topics)) is not None]
+    if sendable and not dry_run:
+        producer = AIOKafkaProducer(**kafka_opts, acks="all", linger_ms=5, max_request_size=16 << 20)
+        await producer.start()
+        try:
+            futures = [await producer.send(d.source[0], d.value, key=d.key, headers=dlq.own_headers(d.headers))
+                       for d in sendable]
+            for future in futures:
+                await future
+        finally:
+            await producer.stop()
+    return sendable, skipped
