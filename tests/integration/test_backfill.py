@@ -34,6 +34,17 @@ async def create_topic(settings, name: str, partitions: int) -> None:
         await admin.close()
 
 
+async def events_topic(settings, catalog, name: str, n: int, seed: int) -> tuple[str, str, list[dict]]:
+    """(source, out, events): a one-partition source of this test's prefix holding `n` transaction
+    events, and the name of an output topic beside it."""
+    prefix = catalog.replies.name[: -len("sluice.replies")]
+    source, out = f"{prefix}{name}-src", f"{prefix}{name}-out"
+    await create_topic(settings, source, 1)
+    events = transactions(n, seed=seed)
+    await produce(settings.kafka.options(), [(source, e["id"].encode(), msgspec.json.encode(e), []) for e in events])
+    return source, out, events
+
+
 async def read_all(settings, topic: str) -> list:
     return await read_topic(settings.kafka.options(), topic)
 
@@ -234,11 +245,7 @@ async def test_requests_answered_overloaded_are_published_again_and_never_writte
     publishes each again after the hint, and every event ends with its score."""
     from worker.backfill import Backfill, Job
 
-    prefix = catalog.replies.name[: -len("sluice.replies")]
-    source, out = f"{prefix}limited-src", f"{prefix}limited-out"
-    await create_topic(settings, source, 1)
-    events = transactions(24, seed=8)
-    await produce(settings.kafka.options(), [(source, e["id"].encode(), msgspec.json.encode(e), []) for e in events])
+    source, out, events = await events_topic(settings, catalog, "limited", 24, 8)
     tenants = tmp_path / "tenants.toml"
     tenants.write_text("[tenant.default]\nmax_in_flight = 2\nretry_after_ms = 200\n")
     said = []
@@ -263,11 +270,7 @@ async def test_a_job_whose_requests_are_dead_lettered_fails_at_once_naming_why(s
     from schemas.signing import Signer
     from worker.backfill import Backfill, DeadLettered, Job
 
-    prefix = catalog.replies.name[: -len("sluice.replies")]
-    source, out = f"{prefix}unsigned-src", f"{prefix}unsigned-out"
-    await create_topic(settings, source, 1)
-    events = transactions(5, seed=9)
-    await produce(settings.kafka.options(), [(source, e["id"].encode(), msgspec.json.encode(e), []) for e in events])
+    source, out, events = await events_topic(settings, catalog, "unsigned", 5, 9)
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(f'[tenant.acme]\nsigning_keys = {{ k1 = "{base64.b64encode(b"the-right-key" * 3).decode()}" }}\n')
     async with running_worker(settings, catalog, engine, group_id=group_id, tenancy_mode="signed",
