@@ -373,7 +373,11 @@ class Backfill:
             await asyncio.sleep(after_ms / 1000 * (1 + random.random() / 5))
             if rid in pending and not self.stop.is_set():
                 value, headers = self._published[rid]
-                await producer.send(self.request_topic, value, key=rid.encode(), headers=headers)
+                try:
+                    await (await producer.send(self.request_topic, value, key=rid.encode(), headers=headers))
+                except Exception as exc:  # its event would wait for a reply for ever: stop, as a failed result does
+                    failures.append(exc)
+                    self.stop.set()
 
         async def replies() -> None:
             while True:

@@ -314,6 +314,7 @@ def cmd_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from worker import devstack
+    from worker.job_lease import LEASE_S
 
     parser = argparse.ArgumentParser(prog="sluice", description="Kafka-fed streaming LLM inference on vLLM")
     parser.add_argument("--config", help="settings TOML file (default: $SLUICE_CONFIG)")
@@ -382,9 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-lease", action="store_true",
                    help="run without the job's lease in Redis, which keeps a second run on another machine out; "
                         "only where Redis cannot be reached and no other machine runs this job")
-    p.add_argument("--lease-s", type=float, default=30.0,
+    p.add_argument("--lease-s", type=float, default=LEASE_S,
                    help="how long the job's lease outlives a run that stops without releasing it (killed), and how "
-                        "long a run may go without renewing it before it stops writing (default 30)")
+                        f"long a run may go without renewing it before it stops writing (default {LEASE_S:g})")
     p.add_argument("--max-in-flight", type=int, default=512)
     p.add_argument("--class", dest="latency_class", default="batch", choices=["realtime", "standard", "batch"])
     _tenant_args(p)
