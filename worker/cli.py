@@ -246,18 +246,21 @@ def cmd_dlq(args) -> int:
     from worker.backfill_range import RangeError
     from worker.dead_letters import read, replay
 
+    if args.limit < 0:
+        sys.exit(f"sluice dlq: --limit {args.limit}: a count of dead letters to show, or 0 for all")
     settings = _settings(args)
     catalog = _catalog(settings)
     topic = catalog.dlq.name
     try:
-        letters = asyncio.run(read(settings.kafka.options(), topic, args.since, args.code))
-        if args.action == "show":
-            shown = letters[-args.limit:] if args.limit else letters
-            for letter in shown:
+        show = args.action == "show"
+        count, letters = asyncio.run(read(settings.kafka.options(), topic, args.since, args.code,
+                                          last=(args.limit or None) if show else None))
+        if show:
+            for letter in letters:
                 print(letter.line())
-            print(f"{len(letters)} dead letters in {topic}" + (f" since {args.since}" if args.since else "")
-                  + (f" with code {args.code}" if args.code else "") + (f"; the last {len(shown)} shown"
-                                                                         if len(shown) < len(letters) else ""))
+            print(f"{count} dead letters in {topic}" + (f" since {args.since}" if args.since else "")
+                  + (f" with code {args.code}" if args.code else "")
+                  + (f"; the last {len(letters)} shown" if len(letters) < count else ""))
             return 0
         sent, skipped = asyncio.run(replay(settings.kafka.options(), letters, {t.name for t in catalog.requests},
                                            dry_run=args.dry_run))
@@ -396,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["show", "replay"])
     p.add_argument("--since", help="ISO time, or an offset in every partition (default: the beginning)")
     p.add_argument("--code", help="only dead letters with this error code")
-    p.add_argument("--limit", type=int, default=50, help="show: the last N (0: all)")
+    p.add_argument("--limit", type=int, default=50, help="show: the newest N (0: all)")
     p.add_argument("--dry-run", action="store_true", help="replay: say what would be published, publish nothing")
     p.set_defaults(fn=cmd_dlq)
 

@@ -9,6 +9,7 @@ itself) and a record the Kafka client could not read (its bytes are only in the 
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -65,12 +66,15 @@ class DeadLetter:
         return f"{when}  {where}  {self.code}: {message}{cut}\n    key={key!r} value={value}"
 
 
-async def read(kafka_opts: dict, topic: str, since: str | None = None, code: str | None = None) -> list[DeadLetter]:
-    """The dead letters of `topic` from `since` (an ISO time or an offset; None: the beginning), oldest
-    first per partition, with `code` only if given."""
+async def read(kafka_opts: dict, topic: str, since: str | None = None, code: str | None = None,
+               last: int | None = None) -> tuple[int, list[DeadLetter]]:
+    """(how many, the dead letters) of `topic` from `since` (an ISO time or an offset; None: the
+    beginning) with `code` only if given, oldest first; with `last`, only the newest `last` are kept
+    (a large dead-letter topic is counted, not held in memory)."""
     consumer = AIOKafkaConsumer(**kafka_opts, enable_auto_commit=False, fetch_max_wait_ms=50)
     await consumer.start()
-    out: list[DeadLetter] = []
+    out: list = []  # a heap of (timestamp, partition, offset, letter) when `last`
+    count = 0
     try:
         ranges = await resolve(consumer, topic, since, None)
         for p, (lo, hi) in ranges.items():
@@ -84,11 +88,17 @@ async def read(kafka_opts: dict, topic: str, since: str | None = None, code: str
                     if rec.offset >= hi:
                         break
                     letter = DeadLetter(p, rec.offset, rec.timestamp, rec.key, rec.value, tuple(rec.headers or ()))
-                    if code is None or letter.code == code:
-                        out.append(letter)
+                    if code is not None and letter.code != code:
+                        continue
+                    count += 1
+                    item = (letter.timestamp_ms, p, rec.offset, letter)
+                    if last is None:
+                        out.append(item)
+                    elif last > 0:
+                        (heapq.heappush if len(out) < last else heapq.heappushpop)(out, item)
     finally:
         await stop_consumer(consumer)
-    return sorted(out, key=lambda d: (d.timestamp_ms, d.partition, d.offset))
+    return count, [item[3] for item in sorted(out, key=lambda item: item[:3])]
 
 
 async def replay(kafka_opts: dict, letters: list[DeadLetter], request_topics: set[str],
