@@ -151,13 +151,9 @@ class JobLease:
 
 async def connect(redis_settings, timeout_s: float = 2.0):
     """A Redis Cluster client for the lease, from the workers' settings (URL, credentials, TLS)."""
-    from redis.asyncio.cluster import ClusterNode, RedisCluster
+    from worker.redis_client import cluster_client
 
-    from worker.redis_seeds import SeedNodes
-
-    seeds = SeedNodes(redis_settings.client_url())
-    client = RedisCluster.from_url(seeds.url, startup_nodes=seeds.startup_nodes(ClusterNode), socket_timeout=timeout_s,
-                                   socket_connect_timeout=timeout_s, **redis_settings.client_options())
+    client = cluster_client(redis_settings, timeout_s)
     try:
         async with asyncio.timeout(timeout_s * 2):
             await client.initialize()

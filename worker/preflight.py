@@ -51,20 +51,14 @@ def check_files(settings, default_reply_topic: str) -> None:
 async def check_redis(redis_settings, timeout_s: float = 5.0) -> str:
     """'ok', or 'unreachable' (served degraded); `StartupError` when Redis refuses the credentials,
     the TLS settings, or the commands sluice needs."""
-    from redis.asyncio.cluster import RedisCluster
     from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
 
-    from redis.asyncio.cluster import ClusterNode
+    from worker.redis_client import cluster_client
 
-    from worker.redis_seeds import SeedNodes
-
-    seeds = SeedNodes(redis_settings.client_url())
-    tls = seeds.url.startswith("rediss://")
+    tls = redis_settings.client_url().startswith("rediss://")
     client = None
     try:
-        client = RedisCluster.from_url(seeds.url, startup_nodes=seeds.startup_nodes(ClusterNode),
-                                       socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                       **redis_settings.client_options())
+        client = cluster_client(redis_settings, timeout_s)
         async with asyncio.timeout(timeout_s * 2):
             await client.initialize()
             probe = f"{redis_settings.key_prefix}:preflight:{{{uuid.uuid4().hex}}}"
