@@ -37,6 +37,7 @@ from loadgen.burst import ReplyReader
 from schemas import DoneReply, ErrorCode, ErrorReply, dlq
 from schemas.events import BackfillResult
 from worker.backfill_range import resolve, true_end
+from worker.backfill_stall import STALL_S, ReplyClock, Stalled
 from worker.consumer_stop import stop_consumer
 from worker.job_lease import LEASE_S, JobLease, LeaseUnavailable, lease_key
 from worker.unparseable import UNPARSEABLE, RecordRef, read_one_at_a_time
@@ -147,8 +148,9 @@ def result_from_reply(reply, event_id: str, source: str, p: int, o: int, templat
 class Backfill:
     def __init__(self, settings, catalog, job: Job, state_dir: str | Path = ".sluice/backfill",
                  max_in_flight: int = 512, latency_class: str = "batch", progress=None, log=print, signer=None,
-                 lease: bool = True, lease_s: float = LEASE_S):
+                 lease: bool = True, lease_s: float = LEASE_S, stall_s: float = STALL_S):
         self.s, self.catalog, self.job = settings, catalog, job
+        self.stall_s = stall_s  # 0: wait for replies however long they take
         # across machines, one run at a time (worker/job_lease.py); False only where no other machine runs it
         self.use_lease, self.lease_s = lease, lease_s
         self.lease: JobLease | None = None
@@ -338,6 +340,7 @@ class Backfill:
         tps = {p: TopicPartition(source, p) for p, (_, e) in cp.ranges.items() if cp.done[p] < e}
         out_next: dict[int, int] = dict(cp.scan_from)  # per output partition: past our last acked result
         failures: list[BaseException] = []
+        clock = ReplyClock()
         total = sum(e - s for s, e in cp.ranges.values())
         bar = self.progress(total, cp.events + len(self._landed)) if self.progress else None
         result_enc = msgspec.json.Encoder()
@@ -391,6 +394,7 @@ class Backfill:
                         later.difference_update([t for t in later if t.done()])
                         continue
                     p, o, event_id = pending.pop(reply.id)  # a repeated final finds nothing pending
+                    clock.replied(time.monotonic())
                     self._published.pop(reply.id, None)
                     asyncio.create_task(emit(p, o, result_from_reply(reply, event_id, source, p, o, job.template)))
 
@@ -415,6 +419,16 @@ class Backfill:
                 checkpoint()
                 if bar:
                     bar.update(0)  # progress lines keep coming while nothing moves (workers away, say)
+                waited = clock.waited(len(pending), time.monotonic())
+                if self.stall_s and waited >= self.stall_s:
+                    overloaded = (f"; {self.republished} were answered overloaded and published again, so the "
+                                  "tenant's limits may refuse them all" if self.republished else "")
+                    failures.append(Stalled(
+                        f"no reply for {waited:.0f} s to any of the {len(pending)} requests of job {job.id} in "
+                        f"flight on {self.request_topic}{overloaded}. Are workers running and reading that topic? "
+                        f"What was done is checkpointed; the same command continues (--stall-s {self.stall_s:g})"))
+                    self.stop.set()
+                    return
 
         async def intake() -> None:
             consumer.assign(list(tps.values()))

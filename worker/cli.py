@@ -185,6 +185,7 @@ def cmd_backfill(args) -> int:
     from aiokafka.errors import KafkaError
 
     from worker.backfill import Backfill, DeadLettered, Job, JobRunning, render_summary
+    from worker.backfill_stall import Stalled
     from worker.backfill_range import RangeError, parse_bound
     from worker.job_lease import LeaseHeld, LeaseLost, LeaseUnavailable
     from worker.progress_lines import LineProgress
@@ -197,6 +198,8 @@ def cmd_backfill(args) -> int:
         sys.exit(f"sluice backfill: {exc}")
     if first is not None and last is not None and type(first) is type(last) and first > last:
         sys.exit(f"sluice backfill: --from {args.start} is after --to {args.stop}: the range would hold no event")
+    if args.stall_s < 0:
+        sys.exit(f"sluice backfill: --stall-s {args.stall_s:g}: seconds to wait for a reply, or 0 to wait for ever")
     if args.lease_s < 1:
         sys.exit(f"sluice backfill: --lease-s {args.lease_s:g}: a lease needs at least 1 s to be renewed in time")
     if args.out == args.source or catalog.by_name(args.out) is not None:
@@ -216,7 +219,7 @@ def cmd_backfill(args) -> int:
     async def go():
         bf = Backfill(settings, catalog, job, state_dir=args.state_dir, max_in_flight=args.max_in_flight,
                       latency_class=args.latency_class, progress=progress, signer=_signer(args),
-                      lease=not args.no_lease, lease_s=args.lease_s)
+                      lease=not args.no_lease, lease_s=args.lease_s, stall_s=args.stall_s)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, bf.stop.set)
@@ -226,7 +229,7 @@ def cmd_backfill(args) -> int:
 
     try:
         bf, cp, seconds = asyncio.run(go())
-    except (RangeError, JobRunning, LeaseHeld, LeaseLost, LeaseUnavailable, DeadLettered) as exc:
+    except (RangeError, JobRunning, LeaseHeld, LeaseLost, LeaseUnavailable, DeadLettered, Stalled) as exc:
         sys.exit(f"sluice backfill: {exc}")
     except KafkaError as exc:  # one line naming the broker, not a traceback; what was done is checkpointed
         sys.exit(f"sluice backfill: Kafka at {settings.kafka.bootstrap}: {exc}; "
@@ -317,6 +320,7 @@ def cmd_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from worker import devstack
+    from worker.backfill_stall import STALL_S
     from worker.job_lease import LEASE_S
 
     parser = argparse.ArgumentParser(prog="sluice", description="Kafka-fed streaming LLM inference on vLLM")
@@ -389,6 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-s", type=float, default=LEASE_S,
                    help="how long the job's lease outlives a run that stops without releasing it (killed), and how "
                         f"long a run may go without renewing it before it stops writing (default {LEASE_S:g})")
+    p.add_argument("--stall-s", type=float, default=STALL_S,
+                   help="stop (exit 1, checkpoint kept) when requests are out and none is answered for this long: "
+                        f"no worker reads the topic, or the tenant's limits refuse them all (default {STALL_S:g}; "
+                        "0 waits for ever)")
     p.add_argument("--max-in-flight", type=int, default=512)
     p.add_argument("--class", dest="latency_class", default="batch", choices=["realtime", "standard", "batch"])
     _tenant_args(p)

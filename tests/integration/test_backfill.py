@@ -3,6 +3,7 @@ with the checkpoint kept or lost."""
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -280,3 +281,29 @@ async def test_a_job_whose_requests_are_dead_lettered_fails_at_once_naming_why(s
         with pytest.raises(DeadLettered, match="does not verify"):
             await asyncio.wait_for(bf.run(), 120)
     assert await read_all(settings, out) == []
+
+
+async def test_a_job_nobody_answers_stops_naming_why_and_the_same_command_continues_it(settings, catalog, engine,
+                                                                                       group_id, tmp_path):
+    """No worker reads the batch topic: the job stops once its requests have waited `--stall-s` without a
+    reply (exit 1, one line, checkpoint kept) instead of waiting for ever; with a worker back, the same
+    command continues and finishes it."""
+    source, out, events = await events_topic(settings, catalog, "unread", 5, 10)
+    env = {**os.environ, "SLUICE_TOPICS_FILE": str(prefixed_topics_file(catalog, tmp_path / "topics.toml")),
+           "SLUICE_KAFKA_IDEMPOTENCE": "false", "SLUICE_LOG_LEVEL": "warning"}
+    state = tmp_path / "state"
+    t0 = time.monotonic()
+    stalled = await asyncio.create_subprocess_exec(*backfill_cmd(source, out, state), "--stall-s", "3", env=env,
+                                                   stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    stdout, stderr = await asyncio.wait_for(stalled.communicate(), 120)
+    said = stderr.decode()
+    assert stalled.returncode == 1, stdout.decode()[-2000:] + said[-2000:]
+    assert re.search(r"no reply for \d+ s to any of the 5 requests", said) and "Are workers running" in said, said[-2000:]
+    assert "Traceback" not in said and time.monotonic() - t0 < 60
+    assert list(state.glob("*.json")) and await read_all(settings, out) == []
+
+    async with running_worker(settings, catalog, engine, group_id=group_id):
+        output = await run_backfill(source, out, state, env, 300)
+    assert b"resuming" in output, output.decode()[-3000:]
+    results = [msgspec.json.decode(r.value, type=BackfillResult) for r in await read_all(settings, out)]
+    assert sorted(r.event_id for r in results) == sorted(e["id"] for e in events)
