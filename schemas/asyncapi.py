@@ -59,7 +59,8 @@ REQUEST_HEADERS = {"type": "object", "properties": {
     signing.SIGNATURE_HEADER: {"type": "string", "pattern": "^[^:]+:[0-9a-f]{64}$",
                                "description": "tenancy_mode signed: `<key id>:<hex HMAC-SHA256>` over "
                                "'sluice-v1\\n' + tenant + '\\n' + record key + '\\n' + value, under "
-                               "that tenant's key (schemas/signing.py)"}}}
+                               "that tenant's key (schemas/signing.py); the record key must hold no newline "
+                               "byte"}}}
 
 
 def _message(name: str, title: str, summary: str, payload: dict, key: str, headers: dict | None = None) -> dict:

@@ -35,7 +35,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta, Struct
 
-from schemas.signing import SIGNATURE_HEADER, TENANT_HEADER, header, mac
+from schemas.signing import SIGNATURE_HEADER, TENANT_HEADER, Unsignable, header, mac
 from worker.quotas import TenantRates
 
 TenantName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
@@ -120,7 +120,11 @@ class Tenancy:
         secret = keys.get(key_id)
         if secret is None:
             raise Unauthenticated(f"tenant {tenant!r} has no signing key {key_id[:64]!r}")
-        if not hmac.compare_digest(mac(secret, tenant, record.key, record.value or b""), given):
+        try:
+            expected = mac(secret, tenant, record.key, record.value or b"")
+        except Unsignable as exc:
+            raise Unauthenticated(str(exc)) from None
+        if not hmac.compare_digest(expected, given):
             raise Unauthenticated(f"signature does not verify for tenant {tenant!r}")
         if "tenant" in _fields_set(request) and request.tenant != tenant:
             raise Unauthenticated(f"the record's tenant field {request.tenant[:64]!r} is not its signed tenant {tenant!r}")

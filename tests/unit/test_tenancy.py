@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from schemas import DoneReply, ErrorCode, ErrorReply, Request, dlq
-from schemas.signing import SIGNATURE_HEADER, TENANT_HEADER, signed_headers
+from schemas.signing import SIGNATURE_HEADER, TENANT_HEADER, Unsignable, signed_headers
 from tests.unit.harness import CATALOG, REPLIES, J, Memory, running, until
 from worker.fake_engine import FakeEngine
 from worker.tenancy import Tenancy, TenancyError, TenantPolicy, Unauthenticated
@@ -84,6 +84,21 @@ def test_a_record_key_swapped_or_a_tenant_field_naming_another_tenant_is_refused
     value, key, headers = signed("acme", SECRET_A, body)
     with pytest.raises(Unauthenticated, match="not its signed tenant"):
         t.tenant_of(record(value, key, headers), Request(id="r1", tenant="globex"))
+
+
+def test_a_signature_cannot_be_moved_to_a_record_whose_key_ends_further_on(tenants_file):
+    """The signed bytes join key and value with a newline: a key holding one could take the signature of
+    another record (here, one whose value is not a request) for a record that is a valid request."""
+    t = tenancy(tenants_file)
+    inner = J({"id": "r1", "prompt": "run me"})
+    value = b"note\n" + inner  # what the producer signed, with key b"r1"
+    headers = signed_headers("acme", "k1", SECRET_A, b"r1", value)
+    assert t.tenant_of(record(value, b"r1", headers), Request(id="r1")) == "acme"
+    forged = record(inner, b"r1\nnote", headers)  # the same bytes, the key ending at the next newline
+    with pytest.raises(Unauthenticated, match="newline"):
+        t.tenant_of(forged, Request(id="r1", prompt="run me"))
+    with pytest.raises(Unsignable, match="newline"):
+        signed_headers("acme", "k1", SECRET_A, b"r1\nnote", inner)
 
 
 def test_single_mode_ignores_the_tenant_field_and_reply_to_follows_the_allow_list(tenants_file):
