@@ -30,11 +30,18 @@ class MemoryBroker:
         # False: like a broker that does not create topics, only topics `create`d or appended to exist
         self.auto_create = True
         self.created: set[str] = set()
+        self.deleted: set[str] = set()  # what metadata says no longer exists (records kept: reads go on)
 
     def create(self, *topics: str) -> None:
         self.created.update(topics)
+        self.deleted.difference_update(topics)
+
+    def delete(self, *topics: str) -> None:
+        self.deleted.update(topics)
 
     def exists(self, topic: str) -> bool:
+        if topic in self.deleted:
+            return False
         return self.auto_create or topic in self.created or any(tp.topic == topic for tp in self.logs)
 
     def append(self, topic: str, value, key=None, headers=(), partition: int | None = None,
@@ -207,7 +214,7 @@ class MemoryProducer:
             raise MessageSizeTooLargeError(f"{size} bytes")
         return self.broker.append(topic, value, key, headers, partition=0)
 
-    async def unusable_topics(self, topics, timeout_s: float) -> dict[str, str]:
+    async def unusable_topics(self, topics, timeout_s: float, cached: bool = True) -> dict[str, str]:
         return {t: "does not exist" for t in topics if not self.broker.exists(t)}
 
     async def send(self, topic, value=None, key=None, headers=None):

@@ -98,6 +98,11 @@ class Emitter:
             log.warning("reply_topic_refused", topic=topic, reason=why)
         return known | found
 
+    async def own_topics_unusable(self, topics: list[str]) -> dict[str, str]:
+        """Of the worker's own topics, those the broker says cannot be used (asked afresh every time:
+        a deleted topic stays in the client's metadata until its next refresh)."""
+        return await self._producer.unusable_topics(topics, TOPIC_LOOKUP_S, cached=False)
+
     @staticmethod
     def _headers(request_id: str) -> list[tuple[str, bytes]]:
         return [("x-request-id", request_id.encode()), (CONTENT_TYPE, JSON.encode())]

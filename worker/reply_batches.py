@@ -56,8 +56,9 @@ class BatchingProducer:
             await asyncio.wait(list(self._drainers.values()))
         await self._inner.stop()
 
-    async def unusable_topics(self, topics, timeout_s: float) -> dict[str, str]:
+    async def unusable_topics(self, topics, timeout_s: float, cached: bool = True) -> dict[str, str]:
         """Of `topics`, those the broker says do not exist, or that this client may not write, with why.
+        `cached`: topics this client knows partitions of are taken as fine without asking.
 
         Asked in one metadata request that does not create topics: aiokafka's `send` would ask for
         the topic's metadata with auto-creation on, and where the broker does not create topics it
@@ -65,7 +66,7 @@ class BatchingProducer:
         that cannot be asked within `timeout_s` names none; sending then finds out as it always did.
         """
         client = self._inner.client
-        ask = [t for t in topics if client.cluster.partitions_for_topic(t) is None]
+        ask = [t for t in topics if not cached or client.cluster.partitions_for_topic(t) is None]
         node = client.get_random_node() if ask else None
         if node is None:
             return {}

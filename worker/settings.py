@@ -214,6 +214,9 @@ class HealthSettings(_Section):
     engine_health_interval_s: Seconds = 10.0
     intake_stall_s: Seconds = 300.0  # a rebalance can hold a poll that long (max.poll.interval.ms)
     reply_outage_s: Seconds = 120.0
+    # How often the worker asks the broker whether its own topics (the request topics it reads, the
+    # reply, dead-letter and audit topics) still exist; two answers in a row saying one is gone fail it.
+    topic_check_interval_s: Seconds = 10.0
 
 
 class WorkerSettings(_Section):

@@ -79,6 +79,27 @@ class Supervisor:
                 log.error("task_ignored_cancel", task=self._tasks.get(t, t.get_name()))
 
 
+async def watch_topics(supervisor: Supervisor, unusable, topics: list[str], interval_s: float,
+                       confirm: int = 2) -> None:
+    """Fail the worker when one of its own topics is gone: deleted (an operator's script, a removed
+    KafkaTopic resource) or no longer described for its credentials.
+
+    The Kafka client retries a deleted topic's fetches for ever behind a green `/readyz`, and a
+    class would go unserved without a word. `unusable(topics)` asks the broker without creating
+    anything and names none when the broker cannot be asked (an outage is the reply path's to
+    notice); a topic must be named `confirm` times in a row.
+    """
+    strikes: dict[str, int] = {}
+    while supervisor.failure is None:
+        await asyncio.sleep(interval_s)
+        found = await unusable(topics)
+        strikes = {t: strikes.get(t, 0) + 1 for t in found}
+        gone = {t: why for t, why in found.items() if strikes[t] >= confirm}
+        if gone:
+            supervisor.fail("topics of the worker " + "; ".join(f"{t} {why}" for t, why in sorted(gone.items()))
+                            + " (create them with `sluice topics apply`, or restore the KafkaTopic resources)")
+
+
 class Liveness:
     """Time stamps the health monitor reads: engine progress and each intake loop's last poll."""
 

@@ -40,7 +40,7 @@ from worker.policy import ClassPolicy, Scheduler
 from worker.replies import Replies
 from worker.runner import Runner
 from worker.settings import Settings
-from worker.supervisor import Liveness, Supervisor, monitor
+from worker.supervisor import Liveness, Supervisor, monitor, watch_topics
 from worker.tenancy import Tenancy
 
 log = structlog.get_logger("sluice.worker")
@@ -225,6 +225,8 @@ class Worker:
         sup.spawn("monitor", monitor(sup, self.liveness, self.engine, self.dispatch.busy, self.emitter,
                                      stall_s=s.health.engine_stall_s, poll_stall_s=s.health.intake_stall_s,
                                      health_interval_s=s.health.engine_health_interval_s, outage_s=s.health.reply_outage_s))
+        sup.spawn("topic-watch", watch_topics(sup, self.emitter.own_topics_unusable,
+                                              [t.name for t in self.catalog.topic], s.health.topic_check_interval_s))
         self._started = True
         log.info("worker_started", group=s.group.id, topics=list(self._topics))
 

@@ -258,6 +258,9 @@ async def test_unusable_topics_are_read_from_a_metadata_request_that_creates_non
     built = request.build(_request_struct(5))
     assert node == 7 and "team.known" not in built.topics and built.allow_auto_topic_creation is False
     assert await producer.unusable_topics(["team.known"], 1.0) == {} and len(asked) == 1
+    # the worker's own topics are asked about every time: a deleted one stays in the client's metadata
+    await producer.unusable_topics(["team.known"], 1.0, cached=False)
+    assert len(asked) == 2 and list(asked[1][1].build(_request_struct(5)).topics) == ["team.known"]
 
     async def silent(node, request):
         await asyncio.sleep(5)

@@ -149,6 +149,53 @@ async def test_a_topic_the_broker_refuses_to_serve_for_good_fails_the_worker(mon
         structlog.reset_defaults()
 
 
+async def test_a_topic_of_the_worker_deleted_while_it_runs_fails_the_worker(monkeypatch):
+    """The Kafka client retries a deleted topic's fetches for ever, and its class would go unserved
+    behind a green /readyz: the topic watch fails the worker once the broker has said so twice."""
+    mem, run = await started_busy(monkeypatch, topic_check_interval_s=0.3)
+    since = time.monotonic()
+    mem.broker.delete(CATALOG.request_topic("realtime").name)
+    await run.fails_closed(since, f"topics of the worker {CATALOG.request_topic('realtime').name} does not exist")
+
+
+WATCHED = {
+    # the broker's answers, one per check, and whether the worker fails
+    "fine": ([{}, {}, {}], None),
+    "gone, asked twice": ([{}, {"t.a": "does not exist"}, {"t.a": "does not exist"}], "t.a does not exist"),
+    "one answer is not enough": ([{"t.a": "does not exist"}, {}, {"t.a": "does not exist"}, {}], None),
+    "each topic counted on its own": ([{"t.a": "does not exist"}, {"t.b": "does not exist"},
+                                       {"t.a": "does not exist"}], None),
+    "credentials withdrawn": ([{"t.b": "is not authorized for the workers' credentials"}] * 2,
+                              "t.b is not authorized"),
+}
+
+
+@pytest.mark.parametrize("answers,failure", WATCHED.values(), ids=WATCHED.keys())
+async def test_the_topic_watch_fails_on_two_answers_in_a_row_naming_the_topic(answers, failure):
+    from worker.supervisor import Supervisor, watch_topics
+
+    sup, asked = Supervisor(), []
+
+    async def unusable(topics):
+        asked.append(list(topics))
+        if len(asked) > len(answers):
+            await asyncio.Event().wait()  # every scripted answer given: wait to be cancelled
+        return answers[len(asked) - 1]
+
+    task = asyncio.create_task(watch_topics(sup, unusable, ["t.a", "t.b"], interval_s=0.001))
+    for _ in range(200):
+        if task.done() or len(asked) > len(answers):
+            break
+        await asyncio.sleep(0.005)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert asked[0] == ["t.a", "t.b"]
+    if failure is None:
+        assert sup.failure is None and len(asked) == len(answers) + 1
+    else:
+        assert failure in sup.failure and "sluice topics apply" in sup.failure
+
+
 async def test_retriable_fetch_errors_are_ridden_out(monkeypatch):
     """A leader election's errors, for longer than the limit on errors not retriable, fail nothing."""
     mem = Memory(engine=FakeEngine())
