@@ -60,6 +60,9 @@ class KafkaSettings(_Section):
     # Request and backfill source records of a transaction that was aborted, or is still open, are not
     # read (Kafka's read_committed); records of producers without transactions are read as written.
     isolation_level: Literal["read_committed", "read_uncommitted"] = "read_committed"
+    # How often the request consumer refreshes its metadata: partitions added to a request topic are
+    # read only from the refresh after (aiokafka's default is 5 minutes).
+    metadata_max_age_ms: Positive = 30000
 
     def options(self) -> dict:
         """Connection options shared by consumers, producers and admin clients."""

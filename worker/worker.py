@@ -97,6 +97,7 @@ def kafka_consumer(settings: Settings):
         session_timeout_ms=settings.group.session_timeout_ms,
         heartbeat_interval_ms=settings.group.heartbeat_ms(),
         max_partition_fetch_bytes=max(1 << 20, 2 * settings.limits.max_record_bytes),
+        metadata_max_age_ms=settings.kafka.metadata_max_age_ms,
     )
 
 

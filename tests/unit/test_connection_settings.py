@@ -69,3 +69,14 @@ async def test_request_readers_read_committed_records_unless_told_otherwise():
                 and call.func.id == "AIOKafkaConsumer"]
     assert len(backfill) == 2 and all(any(k.arg == "isolation_level" for k in call.keywords)
                                       for where, call in client_calls() if where in backfill)
+
+
+async def test_the_request_consumer_refreshes_its_metadata_every_30_s_so_added_partitions_are_read():
+    """aiokafka refreshes a consumer's metadata every 5 minutes by default; the group leader notices
+    partitions added to a request topic only then, and records keyed into them wait that long."""
+    from worker.worker import kafka_consumer
+
+    consumer = kafka_consumer(load(environ={}))
+    assert consumer._client._metadata_max_age_ms == 30000
+    consumer = kafka_consumer(load(environ={"SLUICE_KAFKA_METADATA_MAX_AGE_MS": "5000"}))
+    assert consumer._client._metadata_max_age_ms == 5000
