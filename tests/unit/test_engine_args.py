@@ -69,3 +69,26 @@ def test_a_float32_mla_model_on_an_amx_cpu_runs_on_the_reference_mla_backend(use
     from worker.engine import amx_mla_cannot_take
 
     assert amx_mla_cannot_take(SimpleNamespace(use_mla=use_mla, dtype=dtype), amx=amx) is reference
+
+
+def test_pages_of_another_fine_tune_with_the_same_config_never_match(tmp_path):
+    """A fine-tune keeps its base model's config.json: the fingerprint reads the weights too (sampled),
+    so a worker rolled to new weights never continues from the old weights' KV pages."""
+    import random
+
+    rng = random.Random(5)
+    base, tuned, same = tmp_path / "base", tmp_path / "tuned", tmp_path / "same"
+    weights = bytearray(rng.randbytes(3 << 20))  # 3 MiB: larger than the blocks read
+    for d in (base, tuned, same):
+        d.mkdir()
+        (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+        (d / "model.safetensors").write_bytes(weights)
+    tuned_weights = bytearray(weights)
+    for at in range(0, len(tuned_weights), 4096):  # every weight moved a little, as fine-tuning does
+        tuned_weights[at] ^= 1
+    (tuned / "model.safetensors").write_bytes(tuned_weights)
+    fp = {d.name: model_fingerprint(str(d), "bfloat16") for d in (base, tuned, same)}
+    assert fp["base"] == fp["same"] and fp["tuned"] != fp["base"]
+    (same / "model-00002-of-00002.safetensors").write_bytes(b"another shard")
+    model_fingerprint.cache_clear()
+    assert model_fingerprint(str(same), "bfloat16") != fp["base"]
