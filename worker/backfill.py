@@ -109,6 +109,11 @@ class JobRunning(RuntimeError):
     pass
 
 
+class RequestRefused(RuntimeError):
+    """The broker refused a request the job published (the topic's own record limit, permissions):
+    its event would wait for a reply for ever."""
+
+
 class DeadLettered(RuntimeError):
     """The workers dead-lettered one of the job's requests: no reply will come for it (a tenant's
     signature refused, say), and every other request of the job would go the same way."""
@@ -371,6 +376,12 @@ class Backfill:
             if bar:
                 bar.update(1)
 
+        def refused(rid: str, exc: BaseException) -> None:
+            failures.append(RequestRefused(
+                f"the broker refused request {rid} of job {job.id} on {self.request_topic}: {exc!r}; nothing is "
+                f"written for it. Fix that, then the same command continues from the checkpoint"))
+            self.stop.set()
+
         async def publish_again(rid: str, after_ms: int) -> None:
             # the workers' hint, plus up to a fifth more, so that refused requests do not return together
             await asyncio.sleep(after_ms / 1000 * (1 + random.random() / 5))
@@ -456,7 +467,7 @@ class Backfill:
                         if isinstance(rec, RecordRef):
                             await emit(rec.partition, rec.offset, self._unreadable_result(rec))
                         else:
-                            await self._submit(producer, rec, pending, emit)
+                            await self._submit(producer, rec, pending, emit, refused)
                 for p in list(reading):
                     if await consumer.position(tps[p]) >= cp.ranges[p][1]:
                         reading.discard(p)
@@ -500,8 +511,9 @@ class Backfill:
                               offset=rec.offset, template=self.job.template, error_code="invalid_request",
                               error=f"the Kafka client could not read this source record: {rec.error!r}"[:512])
 
-    async def _submit(self, producer, rec, pending, emit) -> None:
-        """One source record -> one score request (or, if it is not an event at all, an error result)."""
+    async def _submit(self, producer, rec, pending, emit, refused) -> None:
+        """One source record -> one score request (or, if it is not an event at all or too large to be
+        one, an error result). `refused(request id, error)`: the broker refused the request."""
         p, o = rec.partition, rec.offset
         key = (rec.key or b"").decode("utf-8", "replace")
         try:
@@ -522,9 +534,18 @@ class Backfill:
         if self.job.labels:
             body["labels"] = list(self.job.labels)
         value = self._enc.encode(body)
+        limit = self.s.worker.max_produce_bytes
+        if len(value) + len(rid) > limit:  # the Kafka client would refuse it, at every run of the job
+            del pending[rid]
+            await emit(p, o, BackfillResult(event_id=event_id, topic=self.job.source, partition=p, offset=o,
+                                            template=self.job.template, error_code="payload_too_large",
+                                            error=f"the score request for this event is {len(value)} bytes; "
+                                                  f"requests are at most SLUICE_MAX_PRODUCE_BYTES ({limit})"))
+            return
         headers = self.signer.headers(rid.encode(), value) if self.signer else []
         self._published[rid] = (value, headers)
-        await producer.send(self.request_topic, value, key=rid.encode(), headers=headers)
+        future = await producer.send(self.request_topic, value, key=rid.encode(), headers=headers)
+        future.add_done_callback(lambda f: f.cancelled() or f.exception() is None or refused(rid, f.exception()))
 
 
 async def read_one_by_one(consumer, tps: list, tracker: OffsetTracker, done: dict[int, int]) -> dict:

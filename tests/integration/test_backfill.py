@@ -307,3 +307,30 @@ async def test_a_job_nobody_answers_stops_naming_why_and_the_same_command_contin
     assert b"resuming" in output, output.decode()[-3000:]
     results = [msgspec.json.decode(r.value, type=BackfillResult) for r in await read_all(settings, out)]
     assert sorted(r.event_id for r in results) == sorted(e["id"] for e in events)
+
+
+async def test_an_event_too_large_to_publish_as_a_request_gets_an_error_result_and_the_job_goes_on(
+        settings, catalog, engine, group_id, tmp_path):
+    """A source topic may hold records larger than a request may be: such an event's score request
+    would be refused by the Kafka client at every run of the job, so it gets a result saying so."""
+    from aiokafka import AIOKafkaProducer
+
+    from worker.backfill import Backfill, Job
+
+    source, out, events = await events_topic(settings, catalog, "large", 3, 11)
+    huge = {**events[0], "id": "tx-huge", "note": "x" * 1_200_000}
+    producer = AIOKafkaProducer(**settings.kafka.options(), max_request_size=4 << 20)
+    await producer.start()
+    try:
+        await producer.send_and_wait(source, msgspec.json.encode(huge), key=b"tx-huge")
+    finally:
+        await producer.stop()
+    async with running_worker(settings, catalog, engine, group_id=group_id):
+        bf = Backfill(settings, catalog, Job(source=source, out=out, template="fraud"), state_dir=tmp_path / "state",
+                      log=lambda *_: None)
+        cp = await asyncio.wait_for(bf.run(), 300)
+    results = {r.event_id: r for r in (msgspec.json.decode(rec.value, type=BackfillResult)
+                                       for rec in await read_all(settings, out))}
+    assert cp.complete and set(results) == {e["id"] for e in events} | {"tx-huge"}
+    assert results["tx-huge"].error_code == "payload_too_large" and "SLUICE_MAX_PRODUCE_BYTES" in results["tx-huge"].error
+    assert all(results[e["id"]].error_code is None for e in events)
