@@ -35,6 +35,7 @@ from aiokafka.errors import TopicAlreadyExistsError
 
 from loadgen.burst import ReplyReader
 from schemas import DoneReply, ErrorCode, ErrorReply, dlq
+from schemas.codec import UTF8_BOM, json_depth_exceeds
 from schemas.events import BackfillResult
 from worker.backfill_range import resolve, true_end
 from worker.backfill_stall import STALL_S, ReplyClock, Stalled
@@ -516,8 +517,14 @@ class Backfill:
         one, an error result). `refused(request id, error)`: the broker refused the request."""
         p, o = rec.partition, rec.offset
         key = (rec.key or b"").decode("utf-8", "replace")
+        raw = rec.value or b""
+        if raw[:3] == UTF8_BOM:  # read as the workers read requests
+            raw = raw[3:]
+        depth = self.s.limits.max_nesting_depth - 1  # the event nests one level inside its request
         try:
-            event = msgspec.json.decode(rec.value or b"")
+            if json_depth_exceeds(raw, depth):  # counted before the decoder recurses into it
+                raise ValueError(f"the event nests deeper than {depth} levels (or its brackets do not balance)")
+            event = msgspec.json.decode(raw)
             if not isinstance(event, dict):
                 raise ValueError("the record is not a JSON object")
         except (msgspec.DecodeError, ValueError) as exc:
