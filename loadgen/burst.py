@@ -68,6 +68,7 @@ class ReplyReader:
         self.consumer = AIOKafkaConsumer(**kafka_opts, enable_auto_commit=False,
                                          auto_offset_reset="earliest", fetch_max_wait_ms=50)
         self.codec = ReplyCodec()
+        self.unreadable = 0  # records that are not sluice replies (another writer's, a newer version's): skipped
 
     async def start(self, from_beginning: bool = False) -> None:
         await self.consumer.start()
@@ -93,7 +94,15 @@ class ReplyReader:
         batches = await self.consumer.getmany(timeout_ms=timeout_ms)
         for recs in batches.values():
             for rec in recs:
-                yield self.codec.decode(rec.value) if self.decode else rec
+                if not self.decode:
+                    yield rec
+                    continue
+                try:
+                    reply = self.codec.decode(rec.value or b"")
+                except msgspec.DecodeError:  # a ValidationError (unknown type, missing field) is one too
+                    self.unreadable += 1  # one foreign record must not stop every reader of the topic
+                    continue
+                yield reply
 
     async def stop(self) -> None:
         await stop_consumer(self.consumer)

@@ -477,6 +477,14 @@ class Backfill:
 
         later: set[asyncio.Task] = set()
         tasks = [asyncio.create_task(replies()), asyncio.create_task(checkpoints()), asyncio.create_task(dead_letters())]
+
+        def ended(task: asyncio.Task) -> None:  # a reader that died would leave the job waiting for replies
+            if not task.cancelled() and task.exception() is not None:
+                failures.append(task.exception())
+                self.stop.set()
+
+        for task in tasks:
+            task.add_done_callback(ended)
         work = asyncio.create_task(intake())
         stopped = asyncio.create_task(self.stop.wait())
         try:

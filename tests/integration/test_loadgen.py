@@ -24,3 +24,29 @@ async def test_loadgen_run_writes_three_reports(settings, catalog, engine, group
     assert report["summary"]["all"]["e2e_s"]["p50"] > 0
     assert (tmp_path / "loadgen.png").stat().st_size > 1000
     assert "| all | 11 |" in (tmp_path / "loadgen.md").read_text()
+
+
+async def test_a_record_on_the_reply_topic_that_is_no_reply_is_skipped_by_every_reader(settings, catalog):
+    """The reply topic is shared: a record another writer put there (or a reply type a newer version
+    adds) used to raise out of the reader under loadgen, the demo and every backfill, whose replies
+    then went unread."""
+    import msgspec
+
+    from loadgen.burst import ReplyReader, produce
+    from schemas import DoneReply, Usage
+
+    reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
+    await reader.start()
+    try:
+        done = msgspec.json.encode(DoneReply("r-1", 0, "", "stop", Usage(1, 0)))
+        await produce(settings.kafka.options(), [(catalog.replies.name, b"x", value, []) for value in
+                                                 (b"not a reply", b'{"type":"summary","id":"r-0"}', b"", done)])
+        got = []
+        for _ in range(50):
+            got += [r async for r in reader.records(timeout_ms=100)]
+            if got:
+                break
+    finally:
+        await reader.stop()
+    assert [r.id for r in got] == ["r-1"] and isinstance(got[0], DoneReply)
+    assert reader.unreadable == 3
