@@ -84,5 +84,6 @@ def own_headers(headers_in) -> list[tuple[str, bytes]]:
 
 
 def parse(headers_in) -> dict[str, str]:
-    """Header list (as aiokafka returns it) to a dict of the DLQ fields."""
-    return {k: v.decode() for k, v in (headers_in or ()) if k in _NAMES and v is not None}
+    """Header list (as aiokafka returns it) to a dict of the DLQ fields. Bytes that are not UTF-8 (a record
+    some other writer put on the topic) are shown replaced, never raised: a reader of the topic goes on."""
+    return {k: v.decode("utf-8", "replace") for k, v in (headers_in or ()) if k in _NAMES and v is not None}

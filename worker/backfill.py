@@ -416,10 +416,10 @@ class Backfill:
                 async for rec in dead.records(timeout_ms=500):
                     rid = (rec.key or b"").decode("utf-8", "replace")
                     if rid in pending:
-                        why = dict(rec.headers or ())
+                        why = dlq.parse(rec.headers)
                         failures.append(DeadLettered(
                             f"the workers dead-lettered request {rid} of job {job.id} "
-                            f"({why.get(dlq.ERROR_CODE, b'?').decode()}: {why.get(dlq.ERROR_MESSAGE, b'').decode()}) "
+                            f"({why.get(dlq.ERROR_CODE, '?')}: {why.get(dlq.ERROR_MESSAGE, '')}) "
                             f"and would do the same with the rest; nothing is written for it. Fix that, then the same "
                             f"command continues from the checkpoint"))
                         self.stop.set()

@@ -19,3 +19,9 @@ def test_a_records_own_headers_under_the_dead_letters_names_are_not_copied():
         first.setdefault(k, v)
     assert first[dlq.SOURCE_OFFSET] == b"17" and first[dlq.SOURCE_TOPIC] == b"sluice.requests.batch"
     assert dlq.parse(headers)[dlq.ERROR_CODE] == "invalid_request"
+
+
+def test_dead_letter_headers_that_are_not_utf8_are_read_replaced_not_raised():
+    """`sluice dlq show` and a backfill's dead-letter watch read every record of the topic."""
+    fields = dlq.parse([(dlq.ERROR_CODE, b"\xff\xfeoops"), (dlq.SOURCE_PARTITION, b"3"), ("x-own", b"\xff")])
+    assert fields == {dlq.ERROR_CODE: "\ufffd\ufffdoops", dlq.SOURCE_PARTITION: "3"}
