@@ -543,7 +543,6 @@ class Backfill:
         eid = event.get("id")
         event_id = eid if isinstance(eid, str) and eid else (key or f"{p}:{o}")
         rid = f"{self.job.id}-{p}-{o}"
-        pending[rid] = (p, o, event_id)
         body = {"id": rid, "kind": "score", "template": self.job.template, "event": event, "stream": False,
                 "max_tokens": self.job.max_tokens, "reply_to": self.catalog.replies.name}
         if self.job.labels:
@@ -551,16 +550,21 @@ class Backfill:
         value = self._enc.encode(body)
         limit = self.s.worker.max_produce_bytes
         if len(value) + len(rid) > limit:  # the Kafka client would refuse it, at every run of the job
-            del pending[rid]
             await emit(p, o, BackfillResult(event_id=event_id, topic=self.job.source, partition=p, offset=o,
                                             template=self.job.template, error_code="payload_too_large",
                                             error=f"the score request for this event is {len(value)} bytes; "
                                                   f"requests are at most SLUICE_MAX_PRODUCE_BYTES ({limit})"))
             return
         headers = self.signer.headers(rid.encode(), value) if self.signer else []
+        pending[rid] = (p, o, event_id)
         self._published[rid] = (value, headers)
         future = await producer.send(self.request_topic, value, key=rid.encode(), headers=headers)
-        future.add_done_callback(lambda f: f.cancelled() or f.exception() is None or refused(rid, f.exception()))
+
+        def delivered(f: asyncio.Future) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                refused(rid, f.exception())
+
+        future.add_done_callback(delivered)
 
 
 async def read_one_by_one(consumer, tps: list, tracker: OffsetTracker, done: dict[int, int]) -> dict:
