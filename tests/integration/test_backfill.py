@@ -340,3 +340,33 @@ async def test_hostile_events_get_a_result_each_and_the_job_goes_on(settings, ca
     assert results["tx-huge"].error_code == "payload_too_large" and "SLUICE_MAX_PRODUCE_BYTES" in results["tx-huge"].error
     assert results["tx-deep"].error_code == "invalid_request" and "nests deeper" in results["tx-deep"].error
     assert all(results[e["id"]].error_code is None for e in events) and results["tx-bom"].error_code is None
+
+
+async def test_a_request_the_broker_refuses_after_sending_stops_the_job_naming_why(settings, catalog, tmp_path,
+                                                                                  monkeypatch):
+    """A delivery the broker refuses (a topic's own record limit, a permission) used to leave its event
+    waiting for a reply that could not come. The refusal is made here by the producer: the embedded
+    broker takes any size and has no ACLs."""
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.errors import RecordTooLargeError
+
+    from worker import backfill
+    from worker.backfill import Backfill, Job, RequestRefused
+
+    request_topic = catalog.request_topic("batch").name
+
+    class Refusing(AIOKafkaProducer):
+        async def send(self, topic, *args, **kwargs):
+            if topic != request_topic:
+                return await super().send(topic, *args, **kwargs)
+            refused = asyncio.get_running_loop().create_future()
+            refused.set_exception(RecordTooLargeError("over the topic's max.message.bytes"))
+            return refused
+
+    monkeypatch.setattr(backfill, "AIOKafkaProducer", Refusing)
+    source, out, _ = await events_topic(settings, catalog, "refused", 3, 12)
+    bf = Backfill(settings, catalog, Job(source=source, out=out, template="fraud"), state_dir=tmp_path / "state",
+                  log=lambda *_: None)
+    with pytest.raises(RequestRefused, match="RecordTooLargeError"):
+        await asyncio.wait_for(bf.run(), 60)
+    assert await read_all(settings, out) == []
