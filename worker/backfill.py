@@ -31,13 +31,13 @@ from pathlib import Path
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.errors import OffsetOutOfRangeError, TopicAlreadyExistsError
 
 from loadgen.burst import ReplyReader
 from schemas import DoneReply, ErrorCode, ErrorReply, dlq
 from schemas.codec import UTF8_BOM, json_depth_exceeds
 from schemas.events import BackfillResult
-from worker.backfill_range import resolve, true_end
+from worker.backfill_range import past_the_source, resolve, true_end
 from worker.backfill_stall import STALL_S, ReplyClock, Stalled
 from worker.consumer_stop import stop_consumer
 from worker.job_lease import LEASE_S, JobLease, LeaseUnavailable, lease_key
@@ -73,6 +73,9 @@ class Job:
 def render_summary(cp: "Checkpoint", seconds: float) -> str:
     lines = [f"events {cp.events}, errors {cp.errors}, {seconds:.1f} s "
              f"({cp.events / seconds if seconds else 0:.1f} events/s)"]
+    if cp.expired:
+        lines.append(f"{cp.expired} events of the range were removed by the source's retention before they were "
+                     "read: no result for them")
     if cp.label:
         lines.append(f"P({cp.label}) histogram:")
         top = max(cp.hist) or 1
@@ -92,6 +95,7 @@ class Checkpoint(msgspec.Struct):
     label: str | None = None
     seconds: float = 0.0
     complete: bool = False
+    expired: int = 0  # events of the range the source's retention removed before the job read them
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
@@ -337,8 +341,9 @@ class Backfill:
         await dead.start()
         producer = AIOKafkaProducer(**self.s.kafka.options(), acks="all", linger_ms=5)
         await producer.start()
+        # "none": a position out of the source's range raises, never jumps to the partition's end
         consumer = AIOKafkaConsumer(**self.s.kafka.options(), enable_auto_commit=False, fetch_max_wait_ms=50,
-                                    isolation_level=self.s.kafka.isolation_level)
+                                    isolation_level=self.s.kafka.isolation_level, auto_offset_reset="none")
         await consumer.start()
         tracker = OffsetTracker()
         pending: dict[str, tuple[int, int, str]] = {}  # request id -> (partition, offset, event id)
@@ -446,6 +451,10 @@ class Backfill:
             consumer.assign(list(tps.values()))
             for p, tp in tps.items():
                 consumer.seek(tp, cp.done[p])
+            # where the checkpoint stands, checked against the source first: a broker that answers a
+            # fetch beyond a partition's end with nothing (as the embedded one does) would leave the job
+            # waiting there for ever
+            await self._past_the_source(consumer, {tp: cp.done[p] for p, tp in tps.items()}, cp)
             reading = set(tps)
             while reading:
                 wanted = [tps[p] for p in reading]
@@ -453,6 +462,9 @@ class Backfill:
                     batch = await consumer.getmany(*wanted, timeout_ms=200, max_records=256)
                 except UNPARSEABLE:
                     batch = await read_one_by_one(consumer, wanted, tracker, cp.done)
+                except OffsetOutOfRangeError as exc:
+                    await self._past_the_source(consumer, exc.args[0] if exc.args else {}, cp)
+                    continue
                 for tp, recs in batch.items():
                     end = cp.ranges[tp.partition][1]
                     for rec in recs:
@@ -514,6 +526,26 @@ class Backfill:
             await producer.stop()
             await reader.stop()
             await dead.stop()
+
+    async def _past_the_source(self, consumer, positions: dict, cp: Checkpoint) -> None:
+        """Of `positions`, those outside their source partition (the broker said so, or the partition's
+        offsets show it): on past what retention removed (counted), or `SourceChanged`."""
+        tps = list(positions)
+        begins, ends = await consumer.beginning_offsets(tps), await consumer.end_offsets(tps)
+        for tp, at in positions.items():
+            if begins[tp] <= at <= ends[tp]:
+                continue
+            end = ends[tp] if at < begins[tp] else await true_end(consumer, tp, ends[tp], begins[tp])  # some
+            if begins[tp] <= at <= end:  # brokers report less than the end; reading it moved the position
+                consumer.seek(tp, at)
+                continue
+            range_end = cp.ranges[tp.partition][1]
+            to = past_the_source(tp.partition, at, begins[tp], end, range_end)
+            lost = min(to, range_end) - at
+            cp.expired += lost
+            self.log(f"backfill {self.job.id}: {lost} events of partition {tp.partition} ({at}-{min(to, range_end) - 1}) "
+                     "were removed by the source's retention before this job read them; no result for them")
+            consumer.seek(tp, to)
 
     def _unreadable_result(self, rec: RecordRef) -> BackfillResult:
         return BackfillResult(event_id=f"{rec.partition}:{rec.offset}", topic=self.job.source, partition=rec.partition,

@@ -18,6 +18,25 @@ class RangeError(ValueError):
     """A bound that cannot be understood; the message says what is accepted."""
 
 
+class SourceChanged(RuntimeError):
+    """The source partition ends below where the job had read to: the topic was deleted and created
+    again, so offsets no longer name the job's events."""
+
+
+def past_the_source(partition: int, at: int, begin: int, end: int, range_end: int) -> int:
+    """Where the job goes on when the broker says `at` is out of a source partition's range
+    [`begin`, `end`): the log start when retention removed events the job had not read yet (how many
+    is `begin - at`, up to the range's end), never the partition's end, as a consumer's "latest"
+    reset would (every event left in the range unread, the job complete). A partition ending below
+    `at` raises `SourceChanged`."""
+    if at < begin:
+        return begin
+    raise SourceChanged(f"partition {partition} of the source now holds offsets {begin}-{end}, below offset {at} "
+                        f"that this job had read to (its range ends at {range_end}): was the topic deleted and created "
+                        "again? Its offsets no longer name the job's events; not going on. Start a job with another "
+                        "--name for the new topic")
+
+
 def parse_bound(text: str | None) -> int | datetime | None:
     """None (open), an offset, or an aware datetime."""
     if text is None or text in ("", "start", "end"):

@@ -186,7 +186,7 @@ def cmd_backfill(args) -> int:
 
     from worker.backfill import Backfill, DeadLettered, Job, JobRunning, RequestRefused, render_summary
     from worker.backfill_stall import Stalled
-    from worker.backfill_range import RangeError, parse_bound
+    from worker.backfill_range import RangeError, SourceChanged, parse_bound
     from worker.job_lease import LeaseHeld, LeaseLost, LeaseUnavailable
     from worker.progress_lines import LineProgress
 
@@ -230,7 +230,7 @@ def cmd_backfill(args) -> int:
     try:
         bf, cp, seconds = asyncio.run(go())
     except (RangeError, JobRunning, LeaseHeld, LeaseLost, LeaseUnavailable, DeadLettered, Stalled,
-            RequestRefused) as exc:
+            RequestRefused, SourceChanged) as exc:
         sys.exit(f"sluice backfill: {exc}")
     except KafkaError as exc:  # one line naming the broker, not a traceback; what was done is checkpointed
         sys.exit(f"sluice backfill: Kafka at {settings.kafka.bootstrap}: {exc}; "

@@ -370,3 +370,24 @@ async def test_a_request_the_broker_refuses_after_sending_stops_the_job_naming_w
     with pytest.raises(RequestRefused, match="RecordTooLargeError"):
         await asyncio.wait_for(bf.run(), 60)
     assert await read_all(settings, out) == []
+
+
+async def test_a_source_created_again_below_where_the_job_stood_stops_it_instead_of_waiting(settings, catalog,
+                                                                                            tmp_path):
+    """The checkpoint says the job read partition 0 to offset 15; the source now ends at 5 (deleted and
+    created again). The consumer's default reset would have moved to the end and waited for offsets
+    5-19 for ever; the job stops, naming why."""
+    from worker.backfill import Backfill, Checkpoint, Job
+    from worker.backfill_range import SourceChanged
+
+    source, out, _ = await events_topic(settings, catalog, "recreated", 5, 13)
+    await create_topic(settings, out, 1)
+    job = Job(source=source, out=out, template="fraud")
+    state = tmp_path / "state"
+    state.mkdir()
+    Checkpoint(job.id, ranges={0: [0, 20]}, done={0: 15}, scan_from={0: 0}).save(state / f"{job.id}.json")
+    said = []
+    bf = Backfill(settings, catalog, job, state_dir=state, log=said.append)
+    with pytest.raises(SourceChanged, match="created again"):
+        await asyncio.wait_for(bf.run(), 60)
+    assert await read_all(settings, out) == []

@@ -112,3 +112,21 @@ def test_a_range_that_ends_before_it_starts_is_refused_before_anything_is_read(s
                         "--template", "fraud", "--from", start, "--to", stop, "--state-dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=60, env={**os.environ, "SLUICE_KAFKA_BOOTSTRAP": "127.0.0.1:1"})
     assert r.returncode == 1 and f"--from {start} is after --to {stop}" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("at,begin,end,range_end,goes_to", [
+    (10, 40, 100, 200, 40),   # retention removed 10-39 before the job read them: on from the log start
+    (10, 250, 300, 200, 250),  # removed past the range's end: the partition has nothing left to read
+    (10, 11, 100, 200, 11),
+])
+def test_a_position_below_the_source_goes_on_from_its_start_never_from_its_end(at, begin, end, range_end, goes_to):
+    from worker.backfill_range import past_the_source
+
+    assert past_the_source(0, at, begin, end, range_end) == goes_to
+
+
+def test_a_source_that_ends_below_the_job_was_created_again_and_stops_it():
+    from worker.backfill_range import SourceChanged, past_the_source
+
+    with pytest.raises(SourceChanged, match="created again"):
+        past_the_source(3, 150, 0, 20, 200)
