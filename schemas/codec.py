@@ -62,6 +62,12 @@ class BadRequest(Exception):
 UTF8_BOM = b"\xef\xbb\xbf"
 
 
+def without_bom(value: bytes) -> bytes:
+    """JSON text without a leading UTF-8 byte-order mark: some writers start with one, and RFC 8259
+    lets a parser skip it."""
+    return value[3:] if value[:3] == UTF8_BOM else value
+
+
 def _valid(decoder: msgspec.json.Decoder, value) -> str | None:
     if not isinstance(value, str):
         return None
@@ -103,8 +109,7 @@ class RequestCodec:
             )
         if content_type == JSON:
             decoder = self._json
-            if value[:3] == UTF8_BOM:  # some writers start UTF-8 text with one; RFC 8259 lets a parser skip it
-                value = value[3:]
+            value = without_bom(value)
             if json_depth_exceeds(value, self.limits.max_nesting_depth):
                 raise self._bad(ErrorCode.INVALID_REQUEST,
                                 f"JSON nests deeper than {self.limits.max_nesting_depth} levels (or is unbalanced)",

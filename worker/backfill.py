@@ -35,7 +35,7 @@ from aiokafka.errors import OffsetOutOfRangeError, TopicAlreadyExistsError
 
 from loadgen.burst import ReplyReader
 from schemas import DoneReply, ErrorCode, ErrorReply, dlq
-from schemas.codec import UTF8_BOM, json_depth_exceeds
+from schemas.codec import json_depth_exceeds, without_bom
 from schemas.events import BackfillResult
 from worker.backfill_range import past_the_source, resolve, true_end
 from worker.backfill_stall import STALL_S, ReplyClock, Stalled
@@ -454,7 +454,7 @@ class Backfill:
             # where the checkpoint stands, checked against the source first: a broker that answers a
             # fetch beyond a partition's end with nothing (as the embedded one does) would leave the job
             # waiting there for ever
-            await self._past_the_source(consumer, {tp: cp.done[p] for p, tp in tps.items()}, cp)
+            await self._reposition_outside_source(consumer, {tp: cp.done[p] for p, tp in tps.items()}, cp)
             reading = set(tps)
             while reading:
                 wanted = [tps[p] for p in reading]
@@ -463,7 +463,7 @@ class Backfill:
                 except UNPARSEABLE:
                     batch = await read_one_by_one(consumer, wanted, tracker, cp.done)
                 except OffsetOutOfRangeError as exc:
-                    await self._past_the_source(consumer, exc.args[0] if exc.args else {}, cp)
+                    await self._reposition_outside_source(consumer, exc.args[0] if exc.args else {}, cp)
                     continue
                 for tp, recs in batch.items():
                     end = cp.ranges[tp.partition][1]
@@ -527,7 +527,7 @@ class Backfill:
             await reader.stop()
             await dead.stop()
 
-    async def _past_the_source(self, consumer, positions: dict, cp: Checkpoint) -> None:
+    async def _reposition_outside_source(self, consumer, positions: dict, cp: Checkpoint) -> None:
         """Of `positions`, those outside their source partition (the broker said so, or the partition's
         offsets show it): on past what retention removed (counted), or `SourceChanged`."""
         tps = list(positions)
@@ -557,9 +557,7 @@ class Backfill:
         one, an error result). `refused(request id, error)`: the broker refused the request."""
         p, o = rec.partition, rec.offset
         key = (rec.key or b"").decode("utf-8", "replace")
-        raw = rec.value or b""
-        if raw[:3] == UTF8_BOM:  # read as the workers read requests
-            raw = raw[3:]
+        raw = without_bom(rec.value or b"")  # read as the workers read requests
         depth = self.s.limits.max_nesting_depth - 1  # the event nests one level inside its request
         try:
             if json_depth_exceeds(raw, depth):  # counted before the decoder recurses into it
