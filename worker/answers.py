@@ -48,12 +48,18 @@ _chunk_dec = msgspec.msgpack.Decoder(tuple[list[int], str])
 _scores_dec = msgspec.msgpack.Decoder(dict[str, float])
 
 
+MIXED = "mixed"  # progress whose ids come from more than one tokenizer: only its text can be trusted
+
+
 @dataclass(frozen=True)
 class Progress:
     """What an earlier owner of a request emitted: contiguous chunks from seq 0."""
 
     chunks: list[tuple[list[int], str]]
     scores: dict[str, float] | None = None
+    # what the chunks' token ids mean (`Engine.tokenizer_id`), or MIXED once a worker with another
+    # tokenizer went on from them; None for progress written before sluice stored it (ids trusted)
+    tokenizer: str | None = None
 
     @classmethod
     def from_hash(cls, h: dict | None, unseal=lambda field, raw: raw) -> "Progress | None":
@@ -64,12 +70,13 @@ class Progress:
             while (raw := h.get(f"c{len(chunks)}".encode())) is not None:
                 chunks.append(_chunk_dec.decode(unseal(f"c{len(chunks)}", raw)))
             scores = _scores_dec.decode(unseal("scores", h[b"scores"])) if b"scores" in h else None
+            tokenizer = unseal("tok", h[b"tok"]).decode(errors="replace") if b"tok" in h else None
         except (msgspec.DecodeError, msgspec.ValidationError):
             return None  # unreadable progress: start over rather than guess
         except Unsealable as exc:
             metrics.state_rejected.labels("progress", exc.reason).inc()
             return None  # forged or altered progress: start over, never continue from it
-        return cls(chunks, scores) if chunks else None
+        return cls(chunks, scores, tokenizer) if chunks else None
 # Fencing: each run of a request claims it (`SET owner`); progress and the answer are written only
 # by the run that holds the claim. KEYS[1] is the owner key; an empty owner (ARGV[1]) writes anyway
 # (the claim could not be made: Redis was away then).
@@ -348,16 +355,20 @@ class AnswerStore:
             at += 2 if owners[i] else 1
 
     async def append_chunks(self, request_id: str, chunks: list[tuple[int, list[int], str]],
-                            scores: dict[str, float] | None = None, owner: str | None = None) -> bool | None:
+                            scores: dict[str, float] | None = None, owner: str | None = None,
+                            tokenizer: str | None = None) -> bool | None:
         """Write-ahead of token records (seq, token ids, text): True once stored, None while Redis is
         degraded, False when another attempt owns the request now (this one is fenced).
 
-        A token record is produced only after this returned True for its chunk.
+        A token record is produced only after this returned True for its chunk. `tokenizer` names
+        what the ids mean (`Progress.tokenizer`): given with the first chunk a run stores.
         """
         fields = {f"c{seq}": self._seal_field(request_id, f"c{seq}", _chunk_enc.encode((token_ids, text)))
                   for seq, token_ids, text in chunks}
         if scores is not None:
             fields["scores"] = self._seal_field(request_id, "scores", _chunk_enc.encode(scores))
+        if tokenizer is not None:
+            fields["tok"] = self._seal_field(request_id, "tok", tokenizer.encode())
         args = [owner or "", self.progress_ttl_s] + [x for kv in fields.items() for x in kv]
         if self._writer is None or self._writer.done():  # not started (or stopping): one round of its own
             return (await self._write([(request_id, args, None)], []))[0]

@@ -235,6 +235,7 @@ class MemoryAnswers:
     def __init__(self):
         self.answers: dict[str, bytes] = {}
         self.progress: dict[str, dict] = {}
+        self.tokenizers: dict[str, str] = {}  # request id -> its progress's `tok`
         self.owners: dict[str, str] = {}  # request id -> the attempt that claimed it
         self._available = True
         self.unavailable_since: float | None = None  # monotonic, as the AnswerStore keeps it
@@ -281,7 +282,8 @@ class MemoryAnswers:
         for i, (rid, stream) in enumerate(zip(request_ids, streamed)):
             chunks = self.progress.get(rid) if stream else None
             out.append((self.answers.get(rid),
-                        Progress([c for _, c in sorted(chunks.items())]) if chunks else None))
+                        Progress([c for _, c in sorted(chunks.items())], None, self.tokenizers.get(rid))
+                        if chunks else None))
             if owners is not None and self.answers.get(rid) is None:
                 self.owners[rid] = owners[i]
         return out
@@ -301,6 +303,7 @@ class MemoryAnswers:
             else:
                 self.answers[request_id] = final_reply
                 self.progress.pop(request_id, None)
+                self.tokenizers.pop(request_id, None)
                 self.owners.pop(request_id, None)
                 done.set_result(True)
 
@@ -308,11 +311,13 @@ class MemoryAnswers:
         self._wanted.set()
         return done
 
-    async def append_chunks(self, request_id, chunks, scores=None, owner=None):
+    async def append_chunks(self, request_id, chunks, scores=None, owner=None, tokenizer=None):
         if not self.available:
             return None
         if owner and self.owners.get(request_id) != owner:
             return False  # another attempt owns it now
         for seq, token_ids, text in chunks:
             self.progress.setdefault(request_id, {})[seq] = (list(token_ids), text)
+        if tokenizer is not None:
+            self.tokenizers[request_id] = tokenizer
         return True

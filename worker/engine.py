@@ -10,7 +10,7 @@ from typing import Protocol
 
 from schemas import Request
 from worker.engine_guard import EngineGuard
-from worker.prompt_tokens import check_chat_template, encode_chat, encode_text
+from worker.prompt_tokens import check_chat_template, encode_chat, encode_text, tokenizer_fingerprint
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +49,15 @@ class EngineDead(RuntimeError):
 
 class Engine(Protocol):
     max_model_len: int
+    tokenizer_id: str  # what its token ids mean (`prompt_tokens.tokenizer_fingerprint`)
 
     def prompt_ids(self, request: Request) -> list[int]: ...
 
     def render_ids(self, text: str, chat: bool, system: str | None) -> list[int]: ...
 
     def label_ids(self, labels: list[str], chat: bool) -> list[list[int]]: ...
+
+    def text_ids(self, text: str) -> list[int]: ...
 
     def generate(self, request_id: str, prompt_ids: list[int], params: GenParams, priority: int) -> AsyncIterator[Delta]: ...
 
@@ -314,6 +317,7 @@ class VllmEngine:
         self._guard.watch()  # a SIGKILLed worker must not leave the engine processes running
         self._tokenizer = self._llm.get_tokenizer()
         check_chat_template(self._tokenizer)
+        self.tokenizer_id = tokenizer_fingerprint(self._tokenizer)
         self.max_model_len = self._llm.model_config.max_model_len
         self.resolved = describe_config(self._llm.vllm_config)
 
@@ -360,6 +364,10 @@ class VllmEngine:
         # After a chat prompt the answer starts a fresh turn; after plain text it follows a space.
         return [encode_text(self._tokenizer, label if chat else " " + label, add_special_tokens=False)
                 for label in labels]
+
+    def text_ids(self, text: str) -> list[int]:
+        """Generated text as this tokenizer writes it, to continue after (no BOS: it follows the prompt)."""
+        return encode_text(self._tokenizer, text, add_special_tokens=False)
 
     def sampling_params(self, params: GenParams):
         return self._SamplingParams(

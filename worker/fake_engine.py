@@ -9,12 +9,18 @@ gives exactly what an uninterrupted run would, so suspensions and failovers can 
 from __future__ import annotations
 
 import asyncio
+import re
 
 from schemas import Request
 from worker.engine import Delta, GenParams
 
 
+_TOKEN = re.compile(r"<t(\d+)>|(.)", re.S)
+
+
 class FakeEngine:
+    tokenizer_id = "fake"
+
     def __init__(self, max_model_len: int = 2048, token_delay_s: float = 0.0, tokens_per_delta: int = 1):
         self.max_model_len = max_model_len
         self.token_delay_s = token_delay_s
@@ -31,6 +37,10 @@ class FakeEngine:
 
     def label_ids(self, labels: list[str], chat: bool) -> list[list[int]]:
         return [[1000 + (b % 256) for b in label.encode()] for label in labels]
+
+    def text_ids(self, text: str) -> list[int]:
+        """Its own token texts back to their ids; any other character is a byte id, as prompts are."""
+        return [int(tok) if tok else ord(ch) % 256 for tok, ch in _TOKEN.findall(text)]
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: GenParams, priority: int):
         self.started.append(request_id)

@@ -60,6 +60,24 @@ def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[i
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=True))
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Names what token ids mean: the same for two tokenizers only when they map text to the same ids.
+
+    Stored with a request's progress, so a worker with another tokenizer (a rolling upgrade to
+    another model) continues from the emitted text, never from ids its vocabulary reads as other
+    tokens. A fast tokenizer is named by its whole serialized form (vocabulary, merges, added and
+    special tokens, normalizer); any other by its vocabulary and added tokens."""
+    import hashlib
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        raw = backend.to_str().encode()
+    else:
+        vocab = sorted(tokenizer.get_vocab().items())
+        raw = repr((type(tokenizer).__name__, vocab, sorted(getattr(tokenizer, "all_special_tokens", ())))).encode()
+    return hashlib.sha256(raw).hexdigest()[:32]
+
+
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     """Messages through the chat template, with a generation prompt: the template's text between
     contents is tokenized with its special tokens, each content as untrusted text."""

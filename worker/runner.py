@@ -20,7 +20,7 @@ import structlog
 from schemas import DoneReply, ErrorCode, ErrorReply, Limits, Request, TokenReply, Usage
 from schemas.templates import TemplateError, Templates
 from worker import metrics
-from worker.answers import AnswerStore
+from worker.answers import MIXED, AnswerStore
 from worker.emitter import Emitter
 from worker.engine import Engine, EngineDead, GenParams
 from worker.prompt_tokens import ChatRefused
@@ -40,7 +40,10 @@ class Job:
     timestamp_ms: int  # record timestamp: when the producer says it published it (the audit keeps it)
     # progress, kept across suspensions
     prompt_ids: list[int] | None = None
-    generated: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)  # what the engine continues after (prompt + these)
+    # emitted tokens beyond len(generated): an earlier owner's ids written again by another tokenizer
+    # number differently, and max_tokens and usage count what was generated, not how it is re-read
+    generated_credit: int = 0
     texts: list[str] = field(default_factory=list)
     seq: int = 0
     segments: int = 0
@@ -49,6 +52,9 @@ class Job:
     label_ids: tuple[int, ...] = ()
     scores: dict[str, float] | None = None
     progress: object = None  # answers.Progress left by an earlier owner that died
+    # what this run's token ids mean, stored with its next chunk of progress (then None): the
+    # engine's tokenizer for a run from seq 0, MIXED for a run that went on from another tokenizer's
+    tokenizer_mark: str | None = None
     # token records sent in this process and their delivery futures (awaited before `done`)
     sent_tokens: list = field(default_factory=list)
     token_futures: list = field(default_factory=list)
@@ -67,6 +73,11 @@ class Job:
     # when the request arrived, for its place in its class's queue and its latency: the record timestamp
     # unless that cannot be true (worker/intake.py: arrival_ms)
     arrived_ms: int | None = None
+
+    @property
+    def emitted(self) -> int:
+        """Tokens generated for the request so far, by every owner, as each counted them."""
+        return len(self.generated) + self.generated_credit
 
     def __post_init__(self):
         if self.arrived_ms is None:
@@ -217,6 +228,8 @@ class Runner:
                                    f"the model's chat template refused {what}: {exc}") from None
                 if job.progress is not None:
                     await self._resume(job)
+                else:
+                    job.tokenizer_mark = self.engine.tokenizer_id
             if job.generated and _passed(req):  # it generated (here, or for an earlier owner), then waited past it
                 final = self._done(job, "deadline")
             else:
@@ -256,26 +269,37 @@ class Runner:
             # a repeat of what readers may already have: same seq, same text (stored already)
             await self._send_token(job, TokenReply(job.request.id, job.seq, text, ids, unchecked=not job.checked))
             job.seq += 1
+        # Ids from another tokenizer (a rolling upgrade to another model) are other tokens in this
+        # one's vocabulary: go on from the emitted text as this tokenizer writes it. Readers already
+        # have that text, so the records above go out unchanged.
+        retokenized = progress.tokenizer not in (None, self.engine.tokenizer_id)
+        if retokenized:
+            emitted = len(job.generated)
+            job.generated = self.engine.text_ids("".join(job.texts))
+            job.generated_credit = emitted - len(job.generated)
+            job.tokenizer_mark = MIXED
         metrics.resumed.labels(job.latency_class).inc()
-        job_log(job).info("request_resumed", emitted_tokens=len(job.generated), next_seq=job.seq)
+        job_log(job).info("request_resumed", emitted_tokens=job.emitted, next_seq=job.seq,
+                          retokenized=retokenized)
 
     async def _generate(self, job: Job, params: GenParams) -> DoneReply:
         req = job.request
         job.segments += 1
         job.suspend.clear()
         engine_id = f"{req.id}@{getattr(job.tp, 'partition', 0)}:{job.offset}#{job.segments}"
-        remaining = params.max_tokens - len(job.generated)
+        prefix_len = len(job.prompt_ids) + len(job.generated)  # this segment's prompt, as the engine sees it
+        # (a prefix written again by another tokenizer may be longer than the one its tokens were counted in)
+        remaining = min(params.max_tokens - job.emitted, self.engine.max_model_len - prefix_len)
         if remaining <= 0:  # resumed after every token was already emitted
             return self._done(job, "length")
         want_scores = bool(job.label_ids) and job.scores is None
         scores_only = req.kind == "score" and not req.max_tokens
         # pages are the insurance of long requests: a short one is recomputed on resume (`save_min_tokens`)
-        long_enough = len(job.prompt_ids) + len(job.generated) + remaining >= self.save_min_tokens
+        long_enough = prefix_len + remaining >= self.save_min_tokens
         params = GenParams(remaining, params.temperature, params.top_p, params.seed, params.stop,
                            job.label_ids if want_scores else (), tenant=job.tenant,
                            save_pages=long_enough and not scores_only)
         chunk = _Chunk(self, job) if req.stream and not scores_only else None
-        prefix_len = len(job.prompt_ids) + len(job.generated)  # this segment's prompt, as the engine sees it
         try:
             return await self._stream(job, params, engine_id, chunk, want_scores, scores_only, prefix_len)
         except Fenced:
@@ -339,7 +363,7 @@ class Runner:
     def _done(job: Job, finish: str) -> DoneReply:
         """The `done` of what the job generated so far (every segment, every owner)."""
         return DoneReply(job.request.id, job.seq, "".join(job.texts), finish,
-                         Usage(len(job.prompt_ids), len(job.generated)), scores=job.scores, resumed=job.resumed,
+                         Usage(len(job.prompt_ids), job.emitted), scores=job.scores, resumed=job.resumed,
                          unchecked=not job.checked)
 
     async def _send_token(self, job: Job, reply: TokenReply) -> None:
@@ -355,9 +379,12 @@ class Runner:
         """
         first = job.unstored[0]
         stored = await self.answers.append_chunks(job.state_id, [(r.seq, r.token_ids, r.text) for r in job.unstored],
-                                                  job.scores if first.seq == 0 else None, owner=job.owner)
+                                                  job.scores if first.seq == 0 else None, owner=job.owner,
+                                                  tokenizer=job.tokenizer_mark)
         if stored is False:
             raise Fenced(job)
+        if stored:
+            job.tokenizer_mark = None
         if not stored and not force:
             metrics.tokens_held.inc()
             return
