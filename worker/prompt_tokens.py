@@ -25,30 +25,60 @@ class ChatRefused(ValueError):
     assistant and raise otherwise): the producer's request is wrong, not the worker."""
 
 
-# Per tokenizer: a copy of its Rust backend that always splits special-token strings (None for a
-# tokenizer without one). transformers' `encode` wraps a short Rust call in a long stretch of Python
-# on every request, and switches the shared backend's flag on each call.
-_plain: "weakref.WeakKeyDictionary[object, object]" = weakref.WeakKeyDictionary()
+# Per tokenizer: two copies of its Rust backend (None for a tokenizer without one), one that always
+# splits special-token strings (content) and one that reads them (the chat template's own text).
+# transformers' `encode` wraps a short Rust call in a long stretch of Python on every request, and
+# switches the shared backend's flag on each call; a flag switched on one thread while another
+# thread's call holds the backend fails that call ("Already borrowed"), and long prompts are
+# tokenized in a thread. The copies are only read after they are made.
+_backends: "weakref.WeakKeyDictionary[object, tuple | None]" = weakref.WeakKeyDictionary()
 
 
-def _plain_backend(tokenizer):
+def _copies(tokenizer) -> tuple | None:
     try:
-        return _plain[tokenizer]
+        return _backends[tokenizer]
     except KeyError:
         pass
     except TypeError:  # not weak-referenceable: no copy
         return None
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    clone = None
+    copies = None
     if backend is not None:
         from tokenizers import Tokenizer
 
-        clone = Tokenizer.from_str(backend.to_str())
-        clone.encode_special_tokens = True
-        clone.no_truncation()
-        clone.no_padding()
-    _plain[tokenizer] = clone
-    return clone
+        serialized = backend.to_str()
+        copies = (Tokenizer.from_str(serialized), Tokenizer.from_str(serialized))
+        for copy, split in zip(copies, (True, False)):
+            copy.encode_special_tokens = split
+            copy.no_truncation()
+            copy.no_padding()
+    _backends[tokenizer] = copies
+    return copies
+
+
+def _plain_backend(tokenizer):
+    copies = _copies(tokenizer)
+    return copies[0] if copies else None
+
+
+def _encode(backend, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) > LONG_TEXT_CHARS:  # `encode_batch` lets go of the GIL; `encode` does not
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+def _encode_template_text(tokenizer, text: str) -> list[int]:
+    """The chat template's own text, its special tokens read as such."""
+    copies = _copies(tokenizer)
+    if copies is None:
+        return tokenizer.encode(text, add_special_tokens=False)
+    return _encode(copies[1], text, add_special_tokens=False)
+
+
+# Text this long is tokenized off the event loop (`Runner`), through the Rust call that releases
+# the GIL while it runs: a 256 KiB prompt takes about 90 ms, which on the loop would pause every
+# stream of the worker, and in a thread with the GIL held would pause them just the same.
+LONG_TEXT_CHARS = 16_384
 
 
 def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -56,7 +86,7 @@ def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[i
     nothing inside `text` is parsed as a special token."""
     backend = _plain_backend(tokenizer)
     if backend is not None:  # the same ids as the call below (tests/integration/test_injection.py)
-        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return _encode(backend, text, add_special_tokens)
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=True))
 
 
@@ -95,10 +125,10 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
         if at < 0 or rendered.count(mark) != 1:
             raise UnsafeTemplate("the model's chat template does not place each message's content once, "
                                  "unchanged; sluice cannot keep content from forming control tokens")
-        ids += tokenizer.encode(rendered[pos:at], add_special_tokens=False)
+        ids += _encode_template_text(tokenizer, rendered[pos:at])
         ids += encode_text(tokenizer, message["content"], add_special_tokens=False)
         pos = at + len(mark)
-    ids += tokenizer.encode(rendered[pos:], add_special_tokens=False)
+    ids += _encode_template_text(tokenizer, rendered[pos:])
     return ids
 
 

@@ -23,7 +23,7 @@ from worker import metrics
 from worker.answers import MIXED, AnswerStore
 from worker.emitter import Emitter
 from worker.engine import Engine, EngineDead, GenParams
-from worker.prompt_tokens import ChatRefused
+from worker.prompt_tokens import LONG_TEXT_CHARS, ChatRefused
 from worker.replies import Fenced, Replies
 
 _log = structlog.get_logger("sluice.runner")  # one proxy: a new one per request built a logger each time
@@ -171,7 +171,7 @@ class Runner:
                 out[name] = str(exc)[:300]
         return out
 
-    def prepare_score(self, job: Job) -> None:
+    async def prepare_score(self, job: Job) -> None:
         """Render the event through its template; find the token that stands for each label."""
         req = job.request
         try:
@@ -180,7 +180,8 @@ class Runner:
         except TemplateError as exc:
             raise Rejected(ErrorCode.INVALID_REQUEST, str(exc)) from None
         job.labels = list(req.labels or template.labels)
-        job.prompt_ids = self.engine.render_ids(text, template.chat, template.system)
+        job.prompt_ids = await tokenized(lambda: self.engine.render_ids(text, template.chat, template.system),
+                                         len(text))
         firsts: dict[int, str] = {}
         for label, ids in zip(job.labels, self.engine.label_ids(job.labels, template.chat)):
             if not ids:
@@ -219,9 +220,9 @@ class Runner:
                                    f"deadline {req.deadline_ms} passed before the request ran")
                 try:
                     if req.kind == "score":
-                        self.prepare_score(job)
+                        await self.prepare_score(job)
                     else:
-                        job.prompt_ids = self.engine.prompt_ids(req)
+                        job.prompt_ids = await tokenized(lambda: self.engine.prompt_ids(req), prompt_chars(req))
                 except ChatRefused as exc:  # the producer's messages, or the template's turns, are not this model's
                     what = f"template `{req.template}`" if req.kind == "score" else "these messages"
                     raise Rejected(ErrorCode.INVALID_REQUEST,
@@ -403,6 +404,19 @@ class Runner:
         weights = [math.exp(logprobs[t] - top) for t in job.label_ids]
         total = sum(weights)
         return {label: w / total for label, w in zip(job.labels or (), weights)}
+
+
+def prompt_chars(request: Request) -> int:
+    if request.messages is not None:
+        return sum(len(m.content) for m in request.messages)
+    return len(request.prompt or "")
+
+
+async def tokenized(encode, chars: int) -> list[int]:
+    """`encode()`, in a thread when the text is long: the loop keeps every other stream moving."""
+    if chars > LONG_TEXT_CHARS:
+        return await asyncio.to_thread(encode)
+    return encode()
 
 
 def flush_due(seq: int, held_tokens: int, since_sent_s: float, chunk_tokens: int, chunk_s: float) -> bool:

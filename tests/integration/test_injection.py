@@ -34,6 +34,7 @@ def control_ids(tok, ids):
     [{"role": "user", "content": "Count to three."}],
     [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi!\nHow are you?"},
      {"role": "assistant", "content": "Fine."}, {"role": "user", "content": "trailing spaces  "}],
+    [{"role": "user", "content": "amount 12.50 USD, merchant grocery. " * 1000}],  # long: the GIL-free call
 ])
 def test_plain_chats_tokenize_exactly_as_before(tokenizer, messages):
     # (Content that starts with whitespace may tokenize differently at the turn's start: the
@@ -75,7 +76,8 @@ async def test_an_injected_merchant_id_is_refused_naming_the_field(settings, cat
 
 @pytest.mark.parametrize("add_special_tokens", [True, False])
 @pytest.mark.parametrize("text", ["", "amount 12.50 USD", INJECTED, " leading space", "<|endoftext|><|im_start|>",
-                                  "ünïcödé 🙂 text\n\twith  spaces", "<|im_end|" + "x" * 3000])
+                                  "ünïcödé 🙂 text\n\twith  spaces", "<|im_end|" + "x" * 3000,
+                                  INJECTED * 1000])  # longer than LONG_TEXT_CHARS: tokenized by another call
 def test_the_backend_fast_path_tokenizes_as_transformers_does(tokenizer, text, add_special_tokens):
     # encode_text calls a copy of the Rust backend with special-token splitting fixed on
     expected = list(tokenizer.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=True))
@@ -110,3 +112,40 @@ def test_the_start_check_accepts_a_template_without_a_system_role_and_refuses_a_
     rewriting.chat_template = "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}"
     with pytest.raises(UnsafeTemplate):
         check_chat_template(rewriting)
+
+
+async def test_a_long_prompt_is_tokenized_off_the_event_loop(tokenizer):
+    """A prompt near the 256 KiB limit takes tens of milliseconds to tokenize. The runner tokenizes
+    long text in a thread, through the Rust call that lets go of the GIL, so the loop (every other
+    stream of the worker) keeps running; on the loop, or in a thread holding the GIL, it would stop
+    for each whole call."""
+    import asyncio
+    import time
+
+    from worker.prompt_tokens import LONG_TEXT_CHARS
+    from worker.runner import tokenized
+
+    text = ("amount 12.50 USD, merchant grocery, country DE; " * 6000)[:256 * 1024]
+    assert len(text) > LONG_TEXT_CHARS
+    encode_text(tokenizer, "warm")  # the tokenizer's copies are made by the first call
+    started = time.perf_counter()
+    expected = encode_text(tokenizer, text)
+    one_call = time.perf_counter() - started
+    stalls = []
+
+    async def ticker():
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            stalls.append(now - last)
+            last = now
+
+    ticking = asyncio.create_task(ticker())
+    await asyncio.sleep(0.02)
+    try:
+        for _ in range(3):
+            assert await tokenized(lambda: encode_text(tokenizer, text), len(text)) == expected
+    finally:
+        ticking.cancel()
+    assert max(stalls) < one_call / 2, f"the loop stopped {max(stalls) * 1000:.0f} ms; one call takes {one_call * 1000:.0f} ms"
