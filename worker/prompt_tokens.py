@@ -28,9 +28,8 @@ class ChatRefused(ValueError):
 # Per tokenizer: two copies of its Rust backend (None for a tokenizer without one), one that always
 # splits special-token strings (content) and one that reads them (the chat template's own text).
 # transformers' `encode` wraps a short Rust call in a long stretch of Python on every request, and
-# switches the shared backend's flag on each call; a flag switched on one thread while another
-# thread's call holds the backend fails that call ("Already borrowed"), and long prompts are
-# tokenized in a thread. The copies are only read after they are made.
+# switches the shared backend's flag on each call. The copies are set once and only read after, so a
+# call on the loop and one in a tokenizing thread (long prompts) never change each other's settings.
 _backends: "weakref.WeakKeyDictionary[object, tuple | None]" = weakref.WeakKeyDictionary()
 
 
