@@ -98,9 +98,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
     special tokens, normalizer); any other by its vocabulary and added tokens."""
     import hashlib
 
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        raw = backend.to_str().encode()
+    copies = _copies(tokenizer)
+    if copies is not None:  # a copy: truncation and padding (how a caller batches) are off in it
+        raw = copies[1].to_str().encode()
     else:
         vocab = sorted(tokenizer.get_vocab().items())
         raw = repr((type(tokenizer).__name__, vocab, sorted(getattr(tokenizer, "all_special_tokens", ())))).encode()
