@@ -176,6 +176,57 @@ def cmd_loadgen(args) -> int:
     return 0
 
 
+def cmd_ask(args) -> int:
+    import uuid
+
+    from loadgen.ask import ask, summary
+
+    settings = _settings(args)
+    catalog = _catalog(settings)
+    signer = _signer(args)
+    body: dict = {"id": args.id or f"ask-{uuid.uuid4().hex[:12]}", "stream": not args.no_stream}
+    if args.template:
+        try:
+            event = json.loads(args.event or "{}")
+        except ValueError as exc:
+            sys.exit(f"sluice ask: --event is not JSON: {exc}")
+        body.update(kind="score", template=args.template, event=event)
+        if args.labels:
+            body["labels"] = args.labels.split(",")
+    elif args.prompt is None:
+        sys.exit("sluice ask: give a PROMPT, or --template and --event for a score request")
+    elif args.chat:
+        body["messages"] = [{"role": "user", "content": args.prompt}]
+    else:
+        body["prompt"] = args.prompt
+    if args.max_tokens is not None:
+        body["max_tokens"] = args.max_tokens
+    request_topic = catalog.request_topic(args.latency_class, signer.tenant).name
+    streamed = []
+
+    def on_token(reply):
+        streamed.append(reply)
+        if not args.json:
+            print(reply.text, end="", flush=True)
+
+    try:
+        answer = asyncio.run(ask(settings.kafka.options(), request_topic, catalog.replies.name, body, args.timeout_s,
+                                 headers=signer.headers if signer.secret is not None else None, on_token=on_token))
+    except LookupError as exc:
+        sys.exit(f"sluice ask: {exc}")
+    if args.json:
+        import msgspec
+
+        print(msgspec.json.encode(answer.final).decode() if answer.final is not None else "null")
+    else:
+        if answer.final is not None and not streamed and getattr(answer.final, "text", ""):
+            print(answer.final.text, end="")
+        if streamed or getattr(answer.final, "text", ""):
+            print()
+    print(summary(answer, request_topic, args.timeout_s), file=sys.stderr)
+    return answer.status
+
+
 def cmd_backfill(args) -> int:
     import signal
     import time
@@ -376,6 +427,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="out/loadgen")
     _tenant_args(p)
     p.set_defaults(fn=cmd_loadgen)
+
+    p = sub.add_parser("ask", help="one request through the running workers, its reply shown as it comes; "
+                                   "exit 0 done, 1 error reply, 2 no reply in time")
+    p.add_argument("prompt", nargs="?", help="the prompt (a generate request)")
+    p.add_argument("--class", dest="latency_class", default="realtime", choices=["realtime", "standard", "batch"])
+    p.add_argument("--chat", action="store_true", help="send the prompt as one user message (the chat template)")
+    p.add_argument("--max-tokens", type=int, help="default: the workers' default_max_tokens")
+    p.add_argument("--no-stream", action="store_true", help="ask for the done only, no token records")
+    p.add_argument("--template", help="a score request through this template (with --event)")
+    p.add_argument("--event", help="the event to score, as JSON")
+    p.add_argument("--labels", help="comma-separated labels (default: the template's)")
+    p.add_argument("--id", help="the request id (default: a fresh one; an id already answered is answered "
+                                "again from its stored answer)")
+    p.add_argument("--timeout-s", type=float, default=60.0, help="how long to wait for the final reply")
+    p.add_argument("--json", action="store_true", help="print the final reply as JSON (for scripts), no tokens")
+    _tenant_args(p)
+    p.set_defaults(fn=cmd_ask)
 
     p = sub.add_parser("backfill", help="score a topic range through the batch class; resumable, one result per event")
     p.add_argument("--source", required=True, help="topic holding the events")
