@@ -4,7 +4,8 @@ For a person at a terminal: is the realtime class answering, and what does the m
 this? It publishes one request to its class's topic, as any producer would, and reads only the
 reply partition the request id hashes to (workers key replies by request id with the Kafka
 default partitioner), so it reads little even from a busy reply topic. Exit status: 0 for a
-`done`, 1 for an `error` reply, 2 when no final reply came within the timeout.
+`done`, 1 for an `error` reply, 2 when no final reply came within the timeout, 3 when the broker
+could not be reached or refused the request.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from loadgen.burst import produce
 from schemas import DoneReply, ErrorReply, ReplyCodec, TokenReply
 from worker.consumer_stop import stop_consumer
 
-DONE, ERROR, NO_REPLY = 0, 1, 2
+DONE, ERROR, NO_REPLY, NO_BROKER = 0, 1, 2, 3
 
 
 @dataclass
@@ -49,8 +50,8 @@ def reply_partition(request_id: str, partitions: set[int]) -> int:
 async def _reply_reader(kafka_opts: dict, topic: str, request_id: str) -> tuple[AIOKafkaConsumer, TopicPartition]:
     consumer = AIOKafkaConsumer(**kafka_opts, enable_auto_commit=False, auto_offset_reset="latest",
                                 fetch_max_wait_ms=50)
-    await consumer.start()
     try:
+        await consumer.start()
         partitions = None
         for _ in range(50):
             partitions = consumer.partitions_for_topic(topic)

@@ -209,11 +209,19 @@ def cmd_ask(args) -> int:
         if not args.json:
             print(reply.text, end="", flush=True)
 
+    from aiokafka.errors import KafkaError
+
+    from loadgen.ask import NO_BROKER
+
     try:
         answer = asyncio.run(ask(settings.kafka.options(), request_topic, catalog.replies.name, body, args.timeout_s,
                                  headers=signer.headers if signer.secret is not None else None, on_token=on_token))
-    except LookupError as exc:
-        sys.exit(f"sluice ask: {exc}")
+    except LookupError as exc:  # the reply topic is not there: nothing could be read
+        print(f"sluice ask: {exc}", file=sys.stderr)
+        return NO_BROKER
+    except KafkaError as exc:
+        print(f"sluice ask: the broker at {settings.kafka.bootstrap} did not take the request: {exc}", file=sys.stderr)
+        return NO_BROKER
     if args.json:
         import msgspec
 
@@ -429,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_loadgen)
 
     p = sub.add_parser("ask", help="one request through the running workers, its reply shown as it comes; "
-                                   "exit 0 done, 1 error reply, 2 no reply in time")
+                                   "exit 0 done, 1 error reply, 2 no reply in time, 3 broker unreachable")
     p.add_argument("prompt", nargs="?", help="the prompt (a generate request)")
     p.add_argument("--class", dest="latency_class", default="realtime", choices=["realtime", "standard", "batch"])
     p.add_argument("--chat", action="store_true", help="send the prompt as one user message (the chat template)")

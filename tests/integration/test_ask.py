@@ -26,6 +26,9 @@ async def sluice_ask(settings, topics_file, *argv, timeout_s=120) -> tuple[int, 
 
 async def test_ask_shows_the_reply_and_says_how_it_ended(settings, catalog, engine, group_id, tmp_path):
     topics_file = prefixed_topics_file(catalog, tmp_path / "topics.toml")
+    # no broker where the settings say: one line naming it, no traceback
+    rc, _, err = await sluice_ask(settings.override(kafka_bootstrap="127.0.0.1:1"), topics_file, "hi")
+    assert rc == 3 and "127.0.0.1:1" in err and "Traceback" not in err, err
     # no worker yet: the request waits unread, and the command says where it waits
     rc, _, err = await sluice_ask(settings, topics_file, "Name a color.", "--timeout-s", "2")
     assert rc == 2 and catalog.request_topic("realtime").name in err, err
