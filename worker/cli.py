@@ -216,6 +216,9 @@ def cmd_ask(args) -> int:
     try:
         answer = asyncio.run(ask(settings.kafka.options(), request_topic, catalog.replies.name, body, args.timeout_s,
                                  headers=signer.headers if signer.secret is not None else None, on_token=on_token))
+    except KeyboardInterrupt:  # Ctrl-C while waiting: the request stays published and may still be answered
+        print(f"\nsluice ask: stopped waiting for {body['id']}", file=sys.stderr)
+        return 130
     except LookupError as exc:  # the reply topic is not there: nothing could be read
         print(f"sluice ask: {exc}", file=sys.stderr)
         return NO_BROKER
