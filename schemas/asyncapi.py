@@ -87,6 +87,10 @@ def _operation(action: str, channel: str, summary: str, messages: list[str]) -> 
             "messages": [{"$ref": f"#/channels/{channel}/messages/{m}"} for m in messages]}
 
 
+REPLY_KEY = ("The request id; the partition is murmur2 of it, as Kafka's default partitioner picks, so all of "
+             "a request's replies are on one partition")
+
+
 def document(catalog, bootstrap: str = "localhost:9092") -> dict:
     """The AsyncAPI 3.0 document of `catalog`'s topics and every message sluice reads or writes."""
     messages = {
@@ -94,11 +98,11 @@ def document(catalog, bootstrap: str = "localhost:9092") -> dict:
                             "ignored. The reply goes to reply_to, or the default reply topic.", _ref("Request"),
                             "The request id (keeps a request's records on one partition)", headers=REQUEST_HEADERS),
         "token": _message("token", "Streamed tokens", "Tokens of a streaming request, in seq order per id.",
-                          _ref("TokenReply"), "The request id"),
+                          _ref("TokenReply"), REPLY_KEY),
         "done": _message("done", "Final answer", "The request's last record: text, finish reason, usage and, "
-                         "for score requests, label probabilities.", _ref("DoneReply"), "The request id"),
+                         "for score requests, label probabilities.", _ref("DoneReply"), REPLY_KEY),
         "error": _message("error", "Error answer", "The request's last record when it cannot be served.",
-                          _ref("ErrorReply"), "The request id"),
+                          _ref("ErrorReply"), REPLY_KEY),
         "deadLetter": _message("deadLetter", "Dead letter", "A record with no readable id: its original bytes.",
                                {"type": "string", "format": "binary",
                                 "description": "The original record value, unchanged"},
