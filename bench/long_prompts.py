@@ -37,7 +37,7 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import common, harness  # noqa: E402
 from bench.overhead import TokenizingFakeEngine, until_committed  # noqa: E402
-from bench.pauses import QUANTILES, latencies, summary  # noqa: E402
+from bench.pauses import latencies, latency_row, plot_done_latency, print_latency, summary, write_json  # noqa: E402
 from loadgen.burst import read_topic  # noqa: E402
 from worker import metrics, prompt_tokens, runner  # noqa: E402
 from worker.worker import Worker  # noqa: E402
@@ -105,27 +105,6 @@ async def one_run(s, engine, arm: str, args) -> tuple[dict, dict]:
     return {**summary(lat), "long_prompts_refused": refused() - refused_before}, lat
 
 
-def plot(last: dict[str, dict], path: Path, args) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for arm, lat in last.items():
-        t0 = min(v[0] for v in lat.values())
-        pts = sorted((v[0] - t0, v[2]) for v in lat.values() if v[2] is not None)
-        ax.scatter([p[0] / 1000 for p in pts], [max(p[1], 1) for p in pts], s=3, label=f"tokenized on the {arm}"
-                   if arm == "loop" else "long prompts tokenized in a thread", alpha=0.6)
-    ax.set_yscale("log")
-    ax.set_xlabel("request published at (s from the first)")
-    ax.set_ylabel("publish -> done (ms)")
-    ax.set_title(f"{args.rate:g} streamed requests/s beside {args.long_rate:g} prompts/s of {args.long_kib} KiB")
-    ax.legend(markerscale=4)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 async def main(args) -> None:
     from transformers import AutoTokenizer
 
@@ -148,25 +127,19 @@ async def main(args) -> None:
           f"repetitions in rotated order; {common.machine()}; {common.today()}; rev {common.git_rev()}")
     out = {}
     for arm, rs in runs.items():
-        row = {"without_done": sum(r["without_done"] for r in rs),
-               "long_prompts_refused": harness.spread([r["long_prompts_refused"] for r in rs])}
-        for what in ("ttft_ms", "e2e_ms"):
-            row[what] = {q: harness.spread([r[what][q] for r in rs]) for q in map(str, QUANTILES)}
+        row = {**latency_row(rs), "long_prompts_refused": harness.spread([r["long_prompts_refused"] for r in rs])}
         out[arm] = row
         print(f"{arm} (long prompts refused per run: {row['long_prompts_refused']['median']:.0f}):")
-        for what, name in (("ttft_ms", "first token"), ("e2e_ms", "done")):
-            print(f"  publish -> {name:11s} " + "  ".join(
-                f"p{q} {row[what][q]['median']:.0f} ms [{row[what][q]['min']:.0f}-{row[what][q]['max']:.0f}]"
-                for q in ("50", "99")) + f"  max {row[what]['100']['median']:.0f} ms")
+        print_latency(row, ("50", "99"))
         if row["without_done"]:
             print(f"  requests without a done: {row['without_done']}")
     t, lo = out["thread"], out["loop"]
     print(f"loop / thread, p99: first token {lo['ttft_ms']['99']['median'] / max(t['ttft_ms']['99']['median'], 1):.2f}, "
           f"done {lo['e2e_ms']['99']['median'] / max(t['e2e_ms']['99']['median'], 1):.2f}")
-    (OUT / "long_prompts.json").write_text(msgspec.json.format(msgspec.json.encode(
-        {"args": vars(args), "arms": out, "machine": common.machine(), "date": common.today(),
-         "rev": common.git_rev()}), indent=2).decode())
-    plot(last, OUT / "long_prompts.png", args)
+    write_json(OUT / "long_prompts.json", args, out)
+    plot_done_latency(last, OUT / "long_prompts.png",
+                      f"{args.rate:g} streamed requests/s beside {args.long_rate:g} prompts/s of {args.long_kib} KiB",
+                      label=lambda arm: "long prompts tokenized in a thread" if arm == "thread" else "tokenized on the loop")
     print(f"wrote {OUT / 'long_prompts.json'} and {OUT / 'long_prompts.png'}")
 
 

@@ -96,6 +96,47 @@ def summary(lat: dict) -> dict:
             "e2e_ms": {str(q): percentile(e2e, q) for q in QUANTILES}}
 
 
+def latency_row(results: list[dict]) -> dict:
+    """An arm's repetitions (each a `summary`) as median and spread per quantile, and its missing `done`s."""
+    return {"without_done": sum(r["without_done"] for r in results),
+            **{what: {q: harness.spread([r[what][q] for r in results]) for q in map(str, QUANTILES)}
+               for what in ("ttft_ms", "e2e_ms")}}
+
+
+def print_latency(row: dict, quantiles=("50", "99", "99.9")) -> None:
+    for what, name in (("ttft_ms", "first token"), ("e2e_ms", "done")):
+        print(f"  publish -> {name:11s} " + "  ".join(
+            f"p{q} {row[what][q]['median']:.0f} ms [{row[what][q]['min']:.0f}-{row[what][q]['max']:.0f}]"
+            for q in quantiles) + f"  max {row[what]['100']['median']:.0f} ms")
+
+
+def plot_done_latency(last: dict[str, dict], path: Path, title: str, label=lambda arm: arm) -> None:
+    """`done` latency of each arm's last run over the time each request was published (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for arm, lat in last.items():
+        t0 = min(v[0] for v in lat.values())
+        pts = sorted((v[0] - t0, v[2]) for v in lat.values() if v[2] is not None)
+        ax.scatter([p[0] / 1000 for p in pts], [max(p[1], 1) for p in pts], s=2, label=label(arm), alpha=0.6)
+    ax.set_yscale("log")
+    ax.set_xlabel("request published at (s from the first)")
+    ax.set_ylabel("publish -> done (ms)")
+    ax.set_title(title)
+    ax.legend(markerscale=5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_json(path: Path, args, arms: dict) -> None:
+    path.write_text(msgspec.json.format(msgspec.json.encode(
+        {"args": vars(args), "arms": arms, "machine": common.machine(), "date": common.today(),
+         "rev": common.git_rev()}), indent=2).decode())
+
+
 def late_ticks() -> tuple[float, float]:
     """(ticks, ticks later than 0.1 s) of the worker's health monitor so far (`sluice_event_loop_lag_seconds`)."""
     count = metrics.REGISTRY.get_sample_value("sluice_event_loop_lag_seconds_count") or 0.0
@@ -135,26 +176,6 @@ async def one_run(s, engine, arm: str, args) -> tuple[dict, FullCollections, dic
     return {**summary(lat), "monitor_ticks": ticks - ticks_before, "late_ticks": late - late_before}, full, lat
 
 
-def plot(last: dict[str, dict], path: Path, args) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for arm, lat in last.items():
-        t0 = min(v[0] for v in lat.values())
-        pts = sorted((v[0] - t0, v[2]) for v in lat.values() if v[2] is not None)
-        ax.scatter([p[0] / 1000 for p in pts], [max(p[1], 1) for p in pts], s=2, label=arm, alpha=0.6)
-    ax.set_yscale("log")
-    ax.set_xlabel("request published at (s from the first)")
-    ax.set_ylabel("publish -> done (ms)")
-    ax.set_title(f"{args.rate:g} streamed requests/s, {args.max_tokens} tokens each: start-up heap frozen or thawed")
-    ax.legend(markerscale=5)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 async def main(args) -> None:
     from transformers import AutoTokenizer
 
@@ -175,19 +196,14 @@ async def main(args) -> None:
           f"rev {common.git_rev()}")
     out = {}
     for arm, rs in runs.items():
-        row = {"without_done": sum(r["without_done"] for r in rs)}
-        for what in ("ttft_ms", "e2e_ms"):
-            row[what] = {q: harness.spread([r[what][q] for r in rs]) for q in map(str, QUANTILES)}
+        row = latency_row(rs)
         for k in ("count", "ms", "longest_ms"):
             row[f"full_collections_{k}"] = harness.spread([r["full_collections"][k] for r in rs])
         row["late_ticks"] = harness.spread([r["late_ticks"] for r in rs])
         row["monitor_ticks"] = harness.spread([r["monitor_ticks"] for r in rs])
         out[arm] = row
         print(f"{arm}:")
-        for what, name in (("ttft_ms", "first token"), ("e2e_ms", "done")):
-            print(f"  publish -> {name:11s} " + "  ".join(
-                f"p{q} {row[what][q]['median']:.0f} ms [{row[what][q]['min']:.0f}-{row[what][q]['max']:.0f}]"
-                for q in ("50", "99", "99.9")) + f"  max {row[what]['100']['median']:.0f} ms")
+        print_latency(row)
         fc, fm, fl = (row[f"full_collections_{k}"] for k in ("count", "ms", "longest_ms"))
         print(f"  full collections while timed: {fc['median']:.0f} [{fc['min']:.0f}-{fc['max']:.0f}], "
               f"{fm['median']:.0f} ms in all, the longest {fl['median']:.1f} ms [{fl['min']:.1f}-{fl['max']:.1f}]")
@@ -199,10 +215,9 @@ async def main(args) -> None:
     f, t = out["frozen"]["e2e_ms"], out["thawed"]["e2e_ms"]
     print(f"thawed / frozen, done p99: {t['99']['median'] / max(f['99']['median'], 1):.2f}; "
           f"p99.9: {t['99.9']['median'] / max(f['99.9']['median'], 1):.2f}")
-    (OUT / "pauses.json").write_text(msgspec.json.format(msgspec.json.encode(
-        {"args": vars(args), "arms": out, "machine": common.machine(), "date": common.today(),
-         "rev": common.git_rev()}), indent=2).decode())
-    plot(last, OUT / "pauses.png", args)
+    write_json(OUT / "pauses.json", args, out)
+    plot_done_latency(last, OUT / "pauses.png", f"{args.rate:g} streamed requests/s, {args.max_tokens} tokens each: "
+                      "start-up heap frozen or thawed")
     print(f"wrote {OUT / 'pauses.json'} and {OUT / 'pauses.png'}")
 
 
