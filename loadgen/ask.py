@@ -10,7 +10,6 @@ could not be reached or refused the request.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -18,7 +17,7 @@ import msgspec
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.partitioner import murmur2
 
-from loadgen.burst import produce
+from loadgen.burst import produce, topic_partitions
 from schemas import DoneReply, ErrorReply, ReplyCodec, TokenReply
 from worker.consumer_stop import stop_consumer
 
@@ -52,13 +51,7 @@ async def _reply_reader(kafka_opts: dict, topic: str, request_id: str) -> tuple[
                                 fetch_max_wait_ms=50)
     try:
         await consumer.start()
-        partitions = None
-        for _ in range(50):
-            partitions = consumer.partitions_for_topic(topic)
-            if partitions:
-                break
-            await consumer._client.force_metadata_update()
-            await asyncio.sleep(0.1)
+        partitions = await topic_partitions(consumer, topic)
         if not partitions:
             raise LookupError(f"reply topic {topic} does not exist")
         tp = TopicPartition(topic, reply_partition(request_id, partitions))

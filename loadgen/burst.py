@@ -55,6 +55,18 @@ class Outcome:
         return "".join(self.tokens[s] for s in sorted(self.tokens))
 
 
+async def topic_partitions(consumer: AIOKafkaConsumer, topic: str, wait_s: float = 5.0) -> set[int] | None:
+    """The partitions of `topic`, asking the broker again for up to `wait_s` (it may be brand new);
+    None when it has none by then."""
+    for _ in range(max(1, int(wait_s / 0.1))):
+        parts = consumer.partitions_for_topic(topic)
+        if parts:
+            return parts
+        await consumer._client.force_metadata_update()
+        await asyncio.sleep(0.1)
+    return None
+
+
 class ReplyReader:
     """Reads every partition of a reply topic from its current end (no consumer group).
 
@@ -72,13 +84,7 @@ class ReplyReader:
 
     async def start(self, from_beginning: bool = False) -> None:
         await self.consumer.start()
-        parts = None
-        for _ in range(50):
-            parts = self.consumer.partitions_for_topic(self.topic)
-            if parts:
-                break
-            await self.consumer._client.force_metadata_update()  # topic may be brand new
-            await asyncio.sleep(0.1)
+        parts = await topic_partitions(self.consumer, self.topic)
         tps = [TopicPartition(self.topic, p) for p in sorted(parts or [])]
         self.consumer.assign(tps)
         if from_beginning:

@@ -55,11 +55,6 @@ def _copies(tokenizer) -> tuple | None:
     return copies
 
 
-def _plain_backend(tokenizer):
-    copies = _copies(tokenizer)
-    return copies[0] if copies else None
-
-
 def _encode(backend, text: str, add_special_tokens: bool) -> list[int]:
     if len(text) > LONG_TEXT_CHARS:  # `encode_batch` lets go of the GIL; `encode` does not
         return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
@@ -83,9 +78,9 @@ LONG_TEXT_CHARS = 16_384
 def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     """Untrusted plain text: `add_special_tokens` adds what the tokenizer always adds (a BOS, say);
     nothing inside `text` is parsed as a special token."""
-    backend = _plain_backend(tokenizer)
-    if backend is not None:  # the same ids as the call below (tests/integration/test_injection.py)
-        return _encode(backend, text, add_special_tokens)
+    copies = _copies(tokenizer)
+    if copies is not None:  # the same ids as the call below (tests/integration/test_injection.py)
+        return _encode(copies[0], text, add_special_tokens)
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=True))
 
 
