@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import msgspec
@@ -20,6 +21,10 @@ MAX_MESSAGE_CHARS = 512
 _DEPTH_ONLY = bytes.maketrans(b"{}", b"[]")
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]")
+# half of a UTF-16 surrogate pair without its other half: a high one not followed by a low one, or a
+# low one not preceded by a high one
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
+                             rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 
 
 def cap(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
@@ -77,6 +82,46 @@ def _valid(decoder: msgspec.json.Decoder, value) -> str | None:
         return None
 
 
+def not_unicode_at(value: bytes) -> str | None:
+    """Where JSON `value` stops being Unicode text: a byte that is not UTF-8 (Latin-1 from an older
+    writer) or a lone surrogate escape (a string cut inside an emoji by a UTF-16 language: JSON syntax
+    allows it, msgspec and the tokenizer do not); None when it is text."""
+    try:
+        bytes(value).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"byte {exc.start} is not UTF-8 (0x{value[exc.start]:02x})"
+    lone = _LONE_SURROGATE.search(value)
+    if lone is None:
+        return None
+    doc = _lenient(value)  # confirms it: the match may sit in an escaped backslash's text
+    try:
+        json.dumps(doc, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return f"a lone UTF-16 surrogate escape ({lone.group().decode()}) at byte {lone.start()}"
+    return None
+
+
+def _lenient(value: bytes):
+    """JSON that is well formed but not Unicode text, parsed with every bad byte replaced (U+FFFD)
+    and lone surrogates kept: only to find out whom to answer. None when it is not JSON either."""
+    try:
+        return json.loads(bytes(value).decode("utf-8", errors="replace"))
+    except (ValueError, RecursionError):
+        return None
+
+
+def _unicode_or_none(text):
+    """A salvaged string only as the producer wrote it: one with a replaced byte or a lone surrogate
+    is not the producer's id (or topic), so it addresses nothing."""
+    if not isinstance(text, str) or "\ufffd" in text:
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    return text
+
+
 def _content_type(headers) -> str:
     """The record's content type; a header with no value, or any odd key, is skipped, never an error."""
     for key, value in headers or ():
@@ -124,7 +169,10 @@ class RequestCodec:
         except msgspec.ValidationError as exc:
             raise self._bad(ErrorCode.INVALID_REQUEST, f"invalid request: {exc}", value, content_type, key) from None
         except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-            raise self._bad(ErrorCode.INVALID_REQUEST, f"undecodable {content_type}: {exc}", value, content_type, key) from None
+            where = not_unicode_at(value) if content_type == JSON else None
+            reason = f"not Unicode text: {where}" if where else str(exc)
+            raise self._bad(ErrorCode.INVALID_REQUEST, f"undecodable {content_type}: {reason}", value, content_type,
+                            key) from None
         except RecursionError:  # msgpack has no brackets to count first
             raise self._bad(ErrorCode.INVALID_REQUEST, f"{content_type} nests too deep", value, content_type, key) from None
         problem = self.check(request)
@@ -192,6 +240,13 @@ class RequestCodec:
                 envelope = dec.decode(value)
             except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
                 envelope = None
+        if envelope is None and content_type == JSON and value is not None and len(value) <= self.limits.max_record_bytes \
+                and not json_depth_exceeds(value, self.limits.max_nesting_depth) and not_unicode_at(value):
+            # Well-formed JSON whose text is not Unicode still names its id: answer it there rather than
+            # dead-letter it (a producer that sent no key would otherwise never hear back)
+            doc = _lenient(value)
+            if isinstance(doc, dict):
+                envelope = Envelope(_unicode_or_none(doc.get("id")), _unicode_or_none(doc.get("reply_to")))
         if envelope is not None:
             rid = _valid(_id_ok, envelope.id)
             reply_to = envelope.reply_to

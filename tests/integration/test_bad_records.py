@@ -55,6 +55,7 @@ def bad_records(c: str) -> list:
         (None, msgspec.msgpack.encode({"id": f"{c}24", "prompt": "x", "temperature": float("nan")}), MSGPACK,
          ("reply", "invalid_request")),
         (b"\xff\xfe", b"{", [], ("dlq", "invalid_request")),
+        (None, b'{"id":"' + f"{c}26".encode() + b'","prompt":"cut \\ud83d"}', [], ("reply", "invalid_request")),
     ]
 
 

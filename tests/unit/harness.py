@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 import msgspec
 
@@ -115,4 +116,8 @@ def request_id_of(key: bytes | None, value: bytes) -> str:
     try:
         return msgspec.json.decode(value)["id"]
     except msgspec.DecodeError:
+        pass
+    try:  # JSON that is not Unicode text (a lone surrogate escape, a Latin-1 byte)
+        return json.loads(value.decode("utf-8", errors="replace"))["id"]
+    except ValueError:
         return msgspec.msgpack.decode(value)["id"]

@@ -97,6 +97,39 @@ def test_a_json_request_led_by_a_byte_order_mark_is_read_and_a_bad_one_keeps_its
         codec.decode(bom + msgspec.msgpack.encode({"id": "b4", "prompt": "hi"}), MSGPACK)
 
 
+NOT_TEXT = [
+    # (name, value, id the error is addressed to, what the message says): JSON that is well formed but
+    # not Unicode text still names whom to answer, unless the id itself is what is broken (the id of a
+    # record nested too deep is read as before: its envelope skips what it does not need)
+    ("Latin-1 byte in the prompt", b'{"id":"l1","prompt":"caf\xe9"}', "l1", "byte 24 is not UTF-8 (0xe9)"),
+    ("lone high surrogate (an emoji cut in two)", b'{"id":"s1","prompt":"ok \\ud83d"}', "s1",
+     "lone UTF-16 surrogate escape (\\ud83d) at byte 24"),
+    ("lone low surrogate", b'{"id":"s2","prompt":"\\ude00 x"}', "s2", "(\\ude00) at byte 21"),
+    ("lone surrogate in a nested list, reply_to kept", b'{"id":"s3","reply_to":"mine","event":{"a":["\\udc00"]}}',
+     "s3", "(\\udc00)"),
+    ("Latin-1 byte in the id", b'{"id":"l\xe9","prompt":"x"}', None, "byte 8 is not UTF-8"),
+    ("lone surrogate in the id", b'{"id":"s\\ud800","prompt":"x"}', None, "(\\ud800) at byte 8"),
+    ("not UTF-8 and not JSON either", b'{"id":"l2","prompt":"caf\xe9"', None, "byte 24 is not UTF-8"),
+    ("not UTF-8 and nested too deep", b'{"id":"l3","p":"\xe9","z":' + b"[" * 100 + b"]" * 100 + b"}", "l3",
+     "nests deeper"),
+]
+
+
+@pytest.mark.parametrize("name,value,rid,says", NOT_TEXT, ids=[c[0] for c in NOT_TEXT])
+def test_json_that_is_not_unicode_text_is_answered_where_its_id_is_readable(name, value, rid, says):
+    with pytest.raises(BadRequest) as info:
+        codec.decode(value)
+    assert info.value.code == ErrorCode.INVALID_REQUEST
+    assert info.value.id == rid and says in info.value.message, info.value.message
+    if rid == "s3":
+        assert info.value.reply_to == "mine"
+
+
+def test_a_surrogate_pair_and_an_escaped_backslash_are_text():
+    assert codec.decode(b'{"id":"p","prompt":"x\\ud83d\\ude00"}').prompt == "x\U0001F600"
+    assert codec.decode(b'{"id":"b","prompt":"\\\\ud800"}').prompt == "\\ud800"  # a backslash, then text
+
+
 def test_reply_to_is_kept():
     r = codec.decode(J({"id": "x", "prompt": "p", "reply_to": "team.replies"}))
     assert r.reply_to == "team.replies"
