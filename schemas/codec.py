@@ -110,6 +110,13 @@ def _lenient(value: bytes):
         return None
 
 
+def salvaged_field(value: bytes, name: str) -> str | None:
+    """String field `name` of a JSON object that is well formed but not Unicode text, exactly as its
+    writer wrote it; None when it cannot be read so (absent, not a string, or itself not text)."""
+    doc = _lenient(value)
+    return _unicode_or_none(doc.get(name)) if isinstance(doc, dict) else None
+
+
 def _unicode_or_none(text):
     """A salvaged string only as the producer wrote it: one with a replaced byte or a lone surrogate
     is not the producer's id (or topic), so it addresses nothing."""
@@ -244,9 +251,7 @@ class RequestCodec:
                 and not json_depth_exceeds(value, self.limits.max_nesting_depth) and not_unicode_at(value):
             # Well-formed JSON whose text is not Unicode still names its id: answer it there rather than
             # dead-letter it (a producer that sent no key would otherwise never hear back)
-            doc = _lenient(value)
-            if isinstance(doc, dict):
-                envelope = Envelope(_unicode_or_none(doc.get("id")), _unicode_or_none(doc.get("reply_to")))
+            envelope = Envelope(salvaged_field(value, "id"), salvaged_field(value, "reply_to"))
         if envelope is not None:
             rid = _valid(_id_ok, envelope.id)
             reply_to = envelope.reply_to

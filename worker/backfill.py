@@ -35,7 +35,7 @@ from aiokafka.errors import OffsetOutOfRangeError, TopicAlreadyExistsError
 
 from loadgen.burst import ReplyReader
 from schemas import DoneReply, ErrorCode, ErrorReply, dlq
-from schemas.codec import json_depth_exceeds, without_bom
+from schemas.codec import json_depth_exceeds, not_unicode_at, salvaged_field, without_bom
 from schemas.events import BackfillResult
 from worker.backfill_range import past_the_source, resolve, true_end
 from worker.backfill_stall import STALL_S, ReplyClock, Stalled
@@ -566,9 +566,13 @@ class Backfill:
             if not isinstance(event, dict):
                 raise ValueError("the record is not a JSON object")
         except (msgspec.DecodeError, ValueError) as exc:
-            await emit(p, o, BackfillResult(event_id=key or f"{p}:{o}", topic=self.job.source, partition=p, offset=o,
-                                            template=self.job.template, error_code="invalid_request",
-                                            error=f"source record is not a JSON event: {exc}"))
+            # well-formed JSON that is not Unicode text (a lone surrogate escape) still names its event
+            where = not_unicode_at(raw) if isinstance(exc, msgspec.DecodeError) else None
+            eid = salvaged_field(raw, "id") if where else None
+            await emit(p, o, BackfillResult(event_id=eid or key or f"{p}:{o}", topic=self.job.source, partition=p,
+                                            offset=o, template=self.job.template, error_code="invalid_request",
+                                            error=f"source record is not Unicode text: {where}" if where
+                                            else f"source record is not a JSON event: {exc}"))
             return
         eid = event.get("id")
         event_id = eid if isinstance(eid, str) and eid else (key or f"{p}:{o}")
