@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -22,9 +23,10 @@ _DEPTH_ONLY = bytes.maketrans(b"{}", b"[]")
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]")
 # half of a UTF-16 surrogate pair without its other half: a high one not followed by a low one, or a
-# low one not preceded by a high one
-_LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])"
-                             rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+# low one not preceded by a high one; an escape only after an even run of backslashes (the JSON text
+# `\\ud800` is an escaped backslash, then the letters "ud800")
+_LONE_SURROGATE = re.compile(rb"(?<!\\)(?:\\\\)*(?:(?P<high>\\u[dD][89abAB][0-9a-fA-F]{2})(?!\\u[dD][c-fC-F])"
+                             rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})(?P<low>\\u[dD][c-fC-F][0-9a-fA-F]{2}))")
 
 
 def cap(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
@@ -85,7 +87,7 @@ def _valid(decoder: msgspec.json.Decoder, value) -> str | None:
 def not_unicode_at(value: bytes) -> str | None:
     """Where JSON `value` stops being Unicode text: a byte that is not UTF-8 (Latin-1 from an older
     writer) or a lone surrogate escape (a string cut inside an emoji by a UTF-16 language: JSON syntax
-    allows it, msgspec and the tokenizer do not); None when it is text."""
+    allows it, msgspec and the tokenizer do not); None when it is text. Read off the bytes, unparsed."""
     try:
         bytes(value).decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -93,14 +95,11 @@ def not_unicode_at(value: bytes) -> str | None:
     lone = _LONE_SURROGATE.search(value)
     if lone is None:
         return None
-    doc = _lenient(value)  # confirms it: the match may sit in an escaped backslash's text
-    try:
-        json.dumps(doc, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return f"a lone UTF-16 surrogate escape ({lone.group().decode()}) at byte {lone.start()}"
-    return None
+    which = "high" if lone.group("high") else "low"
+    return f"a lone UTF-16 surrogate escape ({lone.group(which).decode()}) at byte {lone.start(which)}"
 
 
+@functools.lru_cache(maxsize=1)  # the id and the reply topic of one record: parsed once
 def _lenient(value: bytes):
     """JSON that is well formed but not Unicode text, parsed with every bad byte replaced (U+FFFD)
     and lone surrogates kept: only to find out whom to answer. None when it is not JSON either."""
@@ -113,7 +112,7 @@ def _lenient(value: bytes):
 def salvaged_field(value: bytes, name: str) -> str | None:
     """String field `name` of a JSON object that is well formed but not Unicode text, exactly as its
     writer wrote it; None when it cannot be read so (absent, not a string, or itself not text)."""
-    doc = _lenient(value)
+    doc = _lenient(bytes(value))
     return _unicode_or_none(doc.get(name)) if isinstance(doc, dict) else None
 
 
@@ -247,8 +246,9 @@ class RequestCodec:
                 envelope = dec.decode(value)
             except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
                 envelope = None
+        # (the lenient parse is safe at any depth: Python's parser raises RecursionError, caught there)
         if envelope is None and content_type == JSON and value is not None and len(value) <= self.limits.max_record_bytes \
-                and not json_depth_exceeds(value, self.limits.max_nesting_depth) and not_unicode_at(value):
+                and not_unicode_at(value):
             # Well-formed JSON whose text is not Unicode still names its id: answer it there rather than
             # dead-letter it (a producer that sent no key would otherwise never hear back)
             envelope = Envelope(salvaged_field(value, "id"), salvaged_field(value, "reply_to"))
