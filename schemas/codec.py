@@ -20,8 +20,11 @@ _topic_ok = msgspec.json.Decoder(TopicName)
 # Error texts travel in replies and DLQ headers; anything taken from a record is cut to this.
 MAX_MESSAGE_CHARS = 512
 _DEPTH_ONLY = bytes.maketrans(b"{}", b"[]")
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]")
+# a JSON string, as the "unrolled loop" (runs of plain bytes between escapes): the same matches as
+# `"(?:[^"\\]|\\.)*"`, which steps once per byte and took 42 ms for a 256 KiB prompt of source code
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# deleted before `_DEPTH_ONLY` maps what is left (bytes.translate deletes first): braces must stay
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 # half of a UTF-16 surrogate pair without its other half: a high one not followed by a low one, or a
 # low one not preceded by a high one; an escape only after an even run of backslashes (the JSON text
 # `\\ud800` is an escaped backslash, then the letters "ud800")

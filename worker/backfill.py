@@ -565,7 +565,7 @@ class Backfill:
             event = msgspec.json.decode(raw)
             if not isinstance(event, dict):
                 raise ValueError("the record is not a JSON object")
-        except (msgspec.DecodeError, ValueError) as exc:
+        except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # (nesting is counted first)
             # well-formed JSON that is not Unicode text (a lone surrogate escape) still names its event
             where = not_unicode_at(raw) if isinstance(exc, msgspec.DecodeError) else None
             eid = salvaged_field(raw, "id") if where else None

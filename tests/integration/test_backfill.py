@@ -312,7 +312,7 @@ async def test_a_job_nobody_answers_stops_naming_why_and_the_same_command_contin
 async def test_hostile_events_get_a_result_each_and_the_job_goes_on(settings, catalog, engine, group_id, tmp_path):
     """Events that used to stop the job at every run: one larger than a request may be (the source topic
     allowed it; the Kafka client refused its request) and one nested 5,000 deep (the decoder's
-    recursion), and one with a lone surrogate escape and no key (named by its own id). Each gets an error
+    recursion; objects as well as arrays), and one with a lone surrogate escape and no key (named by its own id). Each gets an error
     result; an event with a byte-order mark is read as the workers read requests."""
     from aiokafka import AIOKafkaProducer
 
@@ -321,6 +321,7 @@ async def test_hostile_events_get_a_result_each_and_the_job_goes_on(settings, ca
     source, out, events = await events_topic(settings, catalog, "large", 3, 11)
     huge = {**events[0], "id": "tx-huge", "note": "x" * 1_200_000}
     deep = b'{"id": "tx-deep", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    deep_objects = b'{"id": "tx-deep-objects", "x": ' + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"}"
     bom = b"\xef\xbb\xbf" + msgspec.json.encode({**events[1], "id": "tx-bom"})
     # a merchant name cut inside an emoji by a UTF-16 writer, published without a key: its result
     # still carries its id
@@ -330,6 +331,7 @@ async def test_hostile_events_get_a_result_each_and_the_job_goes_on(settings, ca
     try:
         await producer.send_and_wait(source, msgspec.json.encode(huge), key=b"tx-huge")
         await producer.send_and_wait(source, deep, key=b"tx-deep")
+        await producer.send_and_wait(source, deep_objects, key=b"tx-deep-objects")
         await producer.send_and_wait(source, bom, key=b"tx-bom")
         await producer.send_and_wait(source, cut)
     finally:
@@ -340,9 +342,11 @@ async def test_hostile_events_get_a_result_each_and_the_job_goes_on(settings, ca
         cp = await asyncio.wait_for(bf.run(), 300)
     results = {r.event_id: r for r in (msgspec.json.decode(rec.value, type=BackfillResult)
                                        for rec in await read_all(settings, out))}
-    assert cp.complete and set(results) == {e["id"] for e in events} | {"tx-huge", "tx-deep", "tx-bom", "tx-cut"}
+    assert cp.complete and set(results) == {e["id"] for e in events} | {"tx-huge", "tx-deep", "tx-deep-objects", "tx-bom",
+                                                                 "tx-cut"}
     assert results["tx-huge"].error_code == "payload_too_large" and "SLUICE_MAX_PRODUCE_BYTES" in results["tx-huge"].error
     assert results["tx-deep"].error_code == "invalid_request" and "nests deeper" in results["tx-deep"].error
+    assert results["tx-deep-objects"].error_code == "invalid_request" and "nests deeper" in results["tx-deep-objects"].error
     assert results["tx-cut"].error_code == "invalid_request" and "(\\ud83d)" in results["tx-cut"].error
     assert all(results[e["id"]].error_code is None for e in events) and results["tx-bom"].error_code is None
 

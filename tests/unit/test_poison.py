@@ -58,6 +58,9 @@ POISON = [
     # a string cut inside an emoji by a UTF-16 writer (Java, JavaScript): well-formed JSON, not text
     ("lone surrogate escape, no key", None, b'{"id":"p31","prompt":"cut \\ud83d"}', [], ("reply", "invalid_request")),
     ("Latin-1 byte, no key", None, b'{"id":"p32","prompt":"caf\xe9"}', [], ("reply", "invalid_request")),
+    ("objects nested 40 deep (the limit is 32)", None,
+     b'{"id":"p33","prompt":"x","max_tokens":2,"z":' + b'{"a":' * 40 + b"1" + b"}" * 40 + b"}", [],
+     ("reply", "invalid_request")),
 ]
 
 
