@@ -250,11 +250,11 @@ class RequestCodec:
                 envelope = dec.decode(value)
             except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
                 envelope = None
-        # (the lenient parse is safe at any depth: Python's parser raises RecursionError, caught there)
         if envelope is None and content_type == JSON and value is not None and len(value) <= self.limits.max_record_bytes \
                 and not_unicode_at(value):
             # Well-formed JSON whose text is not Unicode still names its id: answer it there rather than
-            # dead-letter it (a producer that sent no key would otherwise never hear back)
+            # dead-letter it (a producer that sent no key would otherwise never hear back). The lenient
+            # parse is safe at any depth: Python's parser raises RecursionError, caught there.
             envelope = Envelope(salvaged_field(value, "id"), salvaged_field(value, "reply_to"))
         if envelope is not None:
             rid = _valid(_id_ok, envelope.id)
