@@ -55,7 +55,7 @@ POISON = [
     ("engine raises for this prompt", None, J({"id": "p29", "prompt": "BOOM"}), [], ("reply", "internal")),
     ("error message from a huge path", None, J({"id": "p30", "prompt": "x", "event": {"k" * 30_000: [[[1]]]},
                                                 "max_tokens": "x"}), [], ("reply", "invalid_request")),
-    # a string cut inside an emoji by a UTF-16 writer (Java, JavaScript): well-formed JSON, not text
+    # a string cut inside an emoji, as JavaScript's JSON.stringify writes it: well-formed JSON, not text
     ("lone surrogate escape, no key", None, b'{"id":"p31","prompt":"cut \\ud83d"}', [], ("reply", "invalid_request")),
     ("Latin-1 byte, no key", None, b'{"id":"p32","prompt":"caf\xe9"}', [], ("reply", "invalid_request")),
     ("objects nested 40 deep (the limit is 32)", None,
