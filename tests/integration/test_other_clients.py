@@ -1,10 +1,14 @@
-"""The wire contract through another Kafka client than the workers' own: librdkafka (confluent-kafka),
-which Java-like producers and most non-Python services use, on the real broker, Redis Cluster and
-vLLM. Requests are written with every `compression.type`, null header values, msgpack, a score and a
-tombstone; replies are read by a librdkafka consumer at its default `read_committed` isolation."""
+"""The wire contract through other Kafka clients than the workers' own, on the real broker, Redis
+Cluster and vLLM: librdkafka (confluent-kafka), which most non-Python services use, and KafkaJS, a
+client written in JavaScript alone. Requests are written with every `compression.type`, null header
+values, msgpack, a score and a tombstone; replies are read by a librdkafka consumer at its default
+`read_committed` isolation. A JavaScript service's text cut inside an emoji is answered at its id."""
 
 import asyncio
+import json
+import os
 import time
+from pathlib import Path
 
 import confluent_kafka
 import msgspec
@@ -12,12 +16,15 @@ import pytest
 
 from loadgen.ask import reply_partition
 from tests.integration.helpers import committed_offsets, running_worker
+from tests.tools import missing, need_tool
 from tests.unit.test_templates import EVENT
 
 pytestmark = pytest.mark.integration
 J = msgspec.json.encode
 CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
 CLASSES = ("realtime", "standard", "batch")
+ROOT = Path(__file__).resolve().parents[2]
+NODE_HOME = ROOT / ".sluice" / "node"  # .ci/run: npm install --prefix .sluice/node kafkajs
 
 
 def _requests(tag: str) -> list[tuple[str, str, bytes | None, list, str]]:
@@ -116,3 +123,36 @@ async def test_a_librdkafka_producer_and_consumer_see_the_wire_contract(settings
             assert got["type"] == "error" and got["code"] == final, (rid, got)
     committed = await committed_offsets(settings, group_id, {catalog.request_topic(c).name for c in CLASSES})
     assert sum(committed.values()) == len(expected)
+
+
+async def test_a_kafkajs_service_hears_back_at_its_id_even_for_a_text_cut_inside_an_emoji(settings, catalog, engine,
+                                                                                        group_id):
+    """KafkaJS writes three requests with JSON.stringify and no key, and reads the replies in a consumer
+    group. JSON.stringify writes the first half of a cut emoji as a lone `\\ud83d` escape: that request
+    is answered `invalid_request` at its id, naming the escape; the others are answered `done` (the
+    streamed one with its token records first)."""
+    node = need_tool("node", "nodejs")
+    if not (NODE_HOME / "node_modules" / "kafkajs").is_dir():
+        missing("kafkajs", f"kafkajs is not installed under {NODE_HOME} (see .ci/run)")
+    tag = f"js{group_id[-6:]}"
+    async with running_worker(settings, catalog, engine, group_id=group_id) as w:
+        proc = await asyncio.create_subprocess_exec(
+            node, str(ROOT / "tests" / "kafkajs_roundtrip.cjs"), settings.kafka.bootstrap,
+            catalog.request_topic("realtime").name, catalog.replies.name, tag,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "NODE_PATH": str(NODE_HOME / "node_modules"), "KAFKAJS_NO_PARTITIONER_WARNING": "1"})
+        out, err = await asyncio.wait_for(proc.communicate(), 240)
+        assert w.ready
+    assert proc.returncode == 0, (proc.returncode, err.decode()[-2000:], out.decode()[-2000:])
+    result = json.loads(out.decode().strip().splitlines()[-1])
+    assert "\\ud83d" in result["sent"][f"{tag}-cut"]  # what the JavaScript writer put on the wire
+    replies = result["replies"]
+    cut = [r for r in replies[f"{tag}-cut"] if r["type"] != "token"]
+    assert [(r["type"], r["code"]) for r in cut] == [("error", "invalid_request")], cut
+    assert "lone UTF-16 surrogate escape (\\ud83d)" in cut[0]["message"]
+    ok = {r.get("seq"): r for r in replies[f"{tag}-ok"]}  # repeats of (id, seq) dropped
+    done = [r for r in ok.values() if r["type"] == "done"]
+    assert len(done) == 1 and done[0]["seq"] == len(ok) - 1 > 0
+    assert "".join(ok[s]["text"] for s in range(done[0]["seq"])) == done[0]["text"]
+    whole = replies[f"{tag}-whole"]
+    assert [r["type"] for r in whole] == ["done"] and whole[0]["usage"]["completion_tokens"] == 3
