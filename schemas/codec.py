@@ -103,6 +103,60 @@ def not_unicode_at(value: bytes) -> str | None:
     return f"a lone UTF-16 surrogate escape ({lone.group(which).decode()}) at byte {lone.start(which)}"
 
 
+# msgpack headers by first byte: (bytes of length that follow, or the fixed size of the item)
+_MSGPACK_SIZED = {0xc4: 1, 0xc5: 2, 0xc6: 4, 0xd9: 1, 0xda: 2, 0xdb: 4}  # bin 8-32, str 8-32: length bytes
+_MSGPACK_EXT = {0xc7: 1, 0xc8: 2, 0xc9: 4}  # ext 8-32: length bytes, then a type byte
+_MSGPACK_FIXED = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8, 0xd0: 1, 0xd1: 2,
+                  0xd2: 4, 0xd3: 8, 0xd4: 2, 0xd5: 3, 0xd6: 5, 0xd7: 9, 0xd8: 17}
+_MSGPACK_CONTAINERS = {0xdc: (2, 1), 0xdd: (4, 1), 0xde: (2, 2), 0xdf: (4, 2)}  # array/map 16-32: (length bytes, items each)
+
+
+def msgpack_not_utf8_at(value: bytes) -> str | None:
+    """Where msgpack `value` has a string that is not UTF-8, as `not_unicode_at` says it for JSON;
+    None when every string it could read is UTF-8. One pass over the bytes, no recursion, so any
+    depth is safe; a declared length past the end stops the walk."""
+    data = bytes(value)
+    end, at, items = len(data), 0, 1
+    while items and at < end:
+        items -= 1
+        b = data[at]
+        at += 1
+        length = None
+        if b <= 0x7f or b >= 0xe0:
+            continue  # fixint
+        if 0x80 <= b <= 0x8f:
+            items += 2 * (b & 0x0f)
+        elif 0x90 <= b <= 0x9f:
+            items += b & 0x0f
+        elif 0xa0 <= b <= 0xbf:
+            length, text = b & 0x1f, True
+        elif b in _MSGPACK_SIZED:
+            n = _MSGPACK_SIZED[b]
+            length, text = int.from_bytes(data[at:at + n], "big"), b >= 0xd9
+            at += n
+        elif b in _MSGPACK_EXT:
+            n = _MSGPACK_EXT[b]
+            length, text = int.from_bytes(data[at:at + n], "big") + 1, False
+            at += n
+        elif b in _MSGPACK_FIXED:
+            at += _MSGPACK_FIXED[b]
+        elif b in _MSGPACK_CONTAINERS:
+            n, each = _MSGPACK_CONTAINERS[b]
+            items += each * int.from_bytes(data[at:at + n], "big")
+            at += n
+        else:
+            return None  # 0xc1: never used; the decoder's own message says so
+        if length is not None:
+            if text:
+                try:
+                    data[at:at + length].decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    where = at + exc.start
+                    return f"byte {where} is not UTF-8 (0x{data[where]:02x})"
+            at += length
+    return None
+
+
 @functools.lru_cache(maxsize=1)  # the id and the reply topic of one record: parsed once
 def _lenient(value: bytes):
     """JSON that is well formed but not Unicode text, parsed with every bad byte replaced (U+FFFD)
@@ -179,7 +233,7 @@ class RequestCodec:
         except msgspec.ValidationError as exc:
             raise self._bad(ErrorCode.INVALID_REQUEST, f"invalid request: {exc}", value, content_type, key) from None
         except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-            where = not_unicode_at(value) if content_type == JSON else None
+            where = not_unicode_at(value) if content_type == JSON else msgpack_not_utf8_at(value)
             reason = f"not Unicode text: {where}" if where else str(exc)
             raise self._bad(ErrorCode.INVALID_REQUEST, f"undecodable {content_type}: {reason}", value, content_type,
                             key) from None

@@ -2,8 +2,11 @@
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from schemas import BadRequest, DoneReply, ErrorCode, ErrorReply, Limits, ReplyCodec, RequestCodec, TokenReply, Usage
+from schemas.codec import msgpack_not_utf8_at
 
 codec = RequestCodec(Limits(max_record_bytes=4096, max_tokens=256, max_stop=2, max_messages=3))
 J = msgspec.json.encode
@@ -127,6 +130,50 @@ def test_json_that_is_not_unicode_text_is_answered_where_its_id_is_readable(name
     assert info.value.id == rid and says in info.value.message, info.value.message
     if rid == "s3":
         assert info.value.reply_to == "mine"
+
+
+def _latin1(doc, text: bytes) -> bytes:
+    """`doc` as msgpack with the last byte of `text` (a string in it) made a Latin-1 0xe9: same length,
+    so the structure stays whole and only the string stops being UTF-8."""
+    value = msgspec.msgpack.encode(doc)
+    assert value.count(text) == 1
+    return value.replace(text, text[:-1] + b"\xe9")
+
+
+MSGPACK_NOT_TEXT = [
+    # (name, value, id the error is addressed to): the byte is named as for JSON
+    ("in the prompt", _latin1({"id": "m1", "prompt": "cafe"}, b"cafe"), "m1"),
+    ("in a message, past a list and a map", _latin1({"id": "m2", "messages": [{"role": "user", "content": "a cafe"}]},
+                                                    b"a cafe"), "m2"),
+    ("in an event's key (str 8)", _latin1({"id": "m3", "template": "fraud", "event": {"k" * 40: 1}}, b"k" * 40), "m3"),
+    # bytes (bin) are not text: their 0xe9 is passed over, the string's after them is named
+    ("after every other kind of item", _latin1({"id": "m4", "template": "fraud", "event": {"i": [
+        1, -1, 300, -300, 70000, 2 ** 40, -2 ** 40, 1.5, None, True, b"raw\xe9", msgspec.msgpack.Ext(5, b"\xe9" * 20),
+        "x" * 300, "x" * 70000, "zq"]}}, b"zq"), "m4"),
+    ("in the id", _latin1({"id": "mcafe", "prompt": "x"}, b"mcafe"), None),
+]
+
+
+@pytest.mark.parametrize("name,value,rid", MSGPACK_NOT_TEXT, ids=[c[0] for c in MSGPACK_NOT_TEXT])
+def test_msgpack_that_is_not_utf8_names_its_byte(name, value, rid):
+    with pytest.raises(BadRequest) as info:
+        RequestCodec(Limits()).decode(value, MSGPACK)  # the default record limit: one string is 70,000 bytes
+    at = value.rindex(b"\xe9")  # the string's byte is the last 0xe9 in every case
+    assert info.value.code == ErrorCode.INVALID_REQUEST and info.value.id == rid
+    assert f"not Unicode text: byte {at} is not UTF-8 (0xe9)" in info.value.message, info.value.message
+
+
+_msgpack_items = st.recursive(
+    st.none() | st.booleans() | st.integers(-2 ** 63, 2 ** 64 - 1) | st.floats(allow_nan=False) | st.text(max_size=300)
+    | st.binary(max_size=300) | st.builds(msgspec.msgpack.Ext, st.integers(0, 127), st.binary(max_size=300)),
+    lambda inner: st.lists(inner, max_size=20) | st.dictionaries(st.text(max_size=40), inner, max_size=20),
+    max_leaves=60)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_msgpack_items)
+def test_msgpack_walk_finds_nothing_in_utf8_documents(doc):
+    assert msgpack_not_utf8_at(msgspec.msgpack.encode(doc)) is None
 
 
 def test_a_surrogate_pair_and_an_escaped_backslash_are_text():
