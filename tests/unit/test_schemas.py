@@ -176,6 +176,16 @@ def test_msgpack_walk_finds_nothing_in_utf8_documents(doc):
     assert msgpack_not_utf8_at(msgspec.msgpack.encode(doc)) is None
 
 
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=2000))
+def test_msgpack_walk_takes_any_bytes(value):
+    """It runs on whatever failed to decode: never raises, and names only a byte that is there."""
+    found = msgpack_not_utf8_at(value)
+    if found is not None:
+        at = int(found.split()[1])
+        assert f"(0x{value[at]:02x})" in found
+
+
 def test_a_surrogate_pair_and_an_escaped_backslash_are_text():
     assert codec.decode(b'{"id":"p","prompt":"x\\ud83d\\ude00"}').prompt == "x\U0001F600"
     assert codec.decode(b'{"id":"b","prompt":"\\\\ud800"}').prompt == "\\ud800"  # a backslash, then text
