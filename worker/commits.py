@@ -1,4 +1,5 @@
-"""Commits: the offset watermark of every owned partition goes to the group, on a timer and on revoke."""
+"""Commits: the offset watermark of every owned partition goes to the group, on a timer, as soon as
+every record read is finished (a burst answered), and on revoke."""
 
 from __future__ import annotations
 
@@ -11,16 +12,32 @@ from worker import metrics
 
 log = structlog.get_logger("sluice.commits")
 
+# Commits made because the worker went idle come no closer together than this: a trickle of requests,
+# each answered before the next arrives, would otherwise commit once per request.
+IDLE_COMMIT_GAP_S = 0.05
+
 
 class Commits:
     def __init__(self, consumer, tracker, interval_s: float, classes: dict[str, str] | None = None):
         self.consumer, self.tracker, self.interval_s = consumer, tracker, interval_s
         self.classes = classes or {}  # request topic -> latency class, for the lag gauge
         self._lag_series: set[tuple[str, str]] = set()
+        # every record read is finished: commit now rather than at the next tick, so a burst's
+        # offsets (and the lag the group shows) do not wait up to a whole interval after its last answer
+        self._drained = asyncio.Event()
+        tracker.on_drained = self._drained.set
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(self.interval_s)
+            since = loop.time()
+            try:
+                async with asyncio.timeout(self.interval_s):
+                    await self._drained.wait()
+                await asyncio.sleep(max(0.0, min(self.interval_s, IDLE_COMMIT_GAP_S) - (loop.time() - since)))
+            except TimeoutError:
+                pass
+            self._drained.clear()
             await self.commit()
             try:
                 self.report_lag()

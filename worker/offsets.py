@@ -25,6 +25,7 @@ class OffsetTracker:
     def __init__(self):
         self._parts: dict[object, _Partition] = {}
         self._generations: dict[object, int] = {}  # bumped when a partition is forgotten (revoked)
+        self.on_drained = lambda: None  # called when a finish leaves no record of any partition unfinished
 
     def take(self, tp, offset: int) -> None:
         """A record was read and is now owned until `finish`."""
@@ -47,6 +48,8 @@ class OffsetTracker:
         if p is None or offset not in p.pending:
             return  # partition revoked meanwhile, or finished twice
         p.pending.discard(offset)
+        if not p.pending and not any(q.pending for q in self._parts.values()):
+            self.on_drained()
 
     def committable(self, tp) -> int | None:
         """The offset to commit for `tp` (next to read), or None if nothing new."""
