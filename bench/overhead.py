@@ -17,7 +17,7 @@ The worker logs as a deployed one does (its configured level and format, info an
 a line per answered request) to bench/.overhead-worker.log.
 
 Prints requests/s per arm (median [min-max] over the repetitions) and the ratio, the rate up to the
-last answer (before the commit timer's next tick), the worker's CPU per request and its full
+last answer (before its offsets were committed), the worker's CPU per request and its full
 garbage collections; `--profile` adds the hottest functions of one extra profiled streaming run.
 """
 
@@ -76,7 +76,7 @@ async def publish(s, topic: str, n: int, tag: str, stream: bool, max_tokens: int
 async def until_committed(s, group: str, tps: list[TopicPartition], n: int, desc: str, progress
                           ) -> tuple[float, float]:
     """Seconds until `group` has committed offsets covering n records, and until `progress()` (which
-    also counts for the bar) first reached n: the last answer, before the commit timer's tick."""
+    also counts for the bar) first reached n: the last answer, before its offsets were committed."""
     probe = AIOKafkaConsumer(**s.kafka.options(), group_id=group, enable_auto_commit=False)
     await probe.start()
     start = time.perf_counter()
@@ -265,7 +265,8 @@ async def main(args) -> None:
         print(f"  sluice / bare pipe {r['ratio']['median']:.2f}  [{r['ratio']['min']:.2f}-{r['ratio']['max']:.2f}]")
         a = r["sluice_to_last_answer"]
         print(f"  sluice to the last answer {a['median']:.0f} req/s [{a['min']:.0f}-{a['max']:.0f}] (before the "
-              f"commit timer's next tick, every {s.group.commit_interval_ms} ms, which the rate above waits for)")
+              f"offsets were committed, which the rate above waits for: at once when every record is finished, "
+              f"else every {s.group.commit_interval_ms} ms)")
         c = r["sluice_cpu_us_per_request"]
         print(f"  sluice process CPU {c['median']:.0f} us per request [{c['min']:.0f}-{c['max']:.0f}] "
               f"(5,000 req/s on one core would allow 200)")
