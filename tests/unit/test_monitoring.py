@@ -3,6 +3,7 @@ dashboard is valid PromQL over metrics a worker really exports (vLLM's checked a
 
 import json
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import yaml
 
 from tests.tools import need_tool
 from worker import metrics
+from worker.settings import FLAT
 
 MONITORING = Path(__file__).resolve().parents[2] / "deploy" / "monitoring"
 RULES = MONITORING / "rules.yaml"
@@ -120,3 +122,54 @@ def test_the_readme_metrics_table_names_every_metric():
     for family in metrics.REGISTRY.collect():
         shown = family.name + ("_total" if family.type == "counter" else "")
         assert f"| `{shown}` |" in readme, shown
+
+
+RUNBOOK = MONITORING / "RUNBOOK.md"
+_WORKER_SOURCES = "\n".join(p.read_text() for d in ("worker", "schemas", "topics")
+                            for p in (Path(__file__).resolve().parents[2] / d).glob("*.py"))
+
+
+def _code_spans(text: str) -> list[str]:
+    return re.findall(r"`([^`\n]+)`", text)
+
+
+def test_every_alert_links_its_runbook_section():
+    headings = set(re.findall(r"^## (\w+)$", RUNBOOK.read_text(), re.M))
+    alerts = {r["alert"]: r["annotations"].get("runbook_url") for r in rules() if "alert" in r}
+    assert headings == set(alerts), "one runbook section per alert, named as the alert"
+    for name, url in alerts.items():
+        assert url == f"deploy/monitoring/RUNBOOK.md#{name.lower()}", (name, url)  # GitHub's anchor of `## Name`
+
+
+def test_the_runbook_commands_parse():
+    from worker.cli import build_parser
+
+    commands = [span for span in _code_spans(RUNBOOK.read_text()) if span.startswith("sluice ")]
+    assert len(commands) >= 5
+    for command in commands:
+        argv = shlex.split(command.replace("<class>", "realtime"))[1:]
+        build_parser().parse_args(argv)  # exits (and fails the test) on an option the CLI does not have
+
+
+def test_the_runbook_names_only_real_metrics_settings_and_log_lines():
+    text = RUNBOOK.read_text()
+    # the samples a query reads, and a histogram by its family name (`sluice_stage_seconds{class, stage}`)
+    exported = sluice_sample_names() | {f.name for f in metrics.REGISTRY.collect() if f.type == "histogram"}
+    named = set(re.findall(r"\bsluice_[a-z_]+\b", text))
+    assert named and named <= exported, named - exported
+    settings = {f"SLUICE_{flat.upper()}" for flat in FLAT} | {"SLUICE_CONFIG"}
+    variables = set(re.findall(r"\bSLUICE_[A-Z_]+\b", text))
+    assert variables and variables <= settings, variables - settings
+    # log events, readiness fields, label values, settings keys: each written somewhere in the code
+    words = {s for s in _code_spans(text) if re.fullmatch(r"[a-z]+(_[a-z0-9]+)+", s) and not s.startswith("sluice_")}
+    assert len(words) >= 10
+    outside = {"runbook_url", "container_cpu_cfs_throttled_periods_total"}  # Prometheus's annotation, cAdvisor's metric
+    assert {w for w in words - outside if not re.search(rf"\b{w}\b", _WORKER_SOURCES)} == set()
+
+
+def test_the_runbook_failure_reasons_are_what_the_worker_says():
+    """Each `failure` the runbook explains is text the supervisor or dispatcher writes."""
+    table = RUNBOOK.read_text().split("| `failure` starts with |")[1].split("\n\n")[0]
+    pieces = [span for row in table.splitlines()[2:] for span in _code_spans(row.split("|")[1]) if "<" not in span]
+    assert len(pieces) >= 8
+    assert [p for p in pieces if p not in _WORKER_SOURCES] == []
