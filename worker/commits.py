@@ -4,6 +4,7 @@ every record read is finished (a burst answered), and on revoke."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
 from aiokafka.errors import KafkaError
@@ -26,6 +27,16 @@ class Commits:
         # offsets (and the lag the group shows) do not wait up to a whole interval after its last answer
         self._drained = asyncio.Event()
         tracker.on_drained = self._drained.set
+        # since when offsets have waited for a commit that succeeds (None while there are none), and the
+        # last error: a worker that answers but can never commit (refused, or a commit that never
+        # returns) would look healthy while every record it answered waits to be read and answered
+        # again; the monitor fails it past `SLUICE_COMMIT_OUTAGE_S`
+        self.waiting_since: float | None = None
+        self.last_error: str = ""
+
+    def outage_for(self) -> float:
+        """Seconds offsets have waited for a successful commit (0 when none wait)."""
+        return 0.0 if self.waiting_since is None else time.monotonic() - self.waiting_since
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -69,11 +80,17 @@ class Commits:
         offsets = {tp: off for tp, off in self.tracker.to_commit().items()
                    if tp in assigned and (only is None or tp in only)}
         if not offsets:
+            if only is None:
+                self.waiting_since = None  # nothing waits (revoked partitions took theirs away)
             return
+        if self.waiting_since is None:
+            self.waiting_since = time.monotonic()
         try:
             await self.consumer.commit(offsets)
             self.tracker.committed(offsets)
             metrics.commits.labels("ok").inc()
+            self.waiting_since, self.last_error = None, ""
         except KafkaError as exc:
             metrics.commits.labels("failed").inc()
             log.warning("commit_failed", error=repr(exc))
+            self.last_error = repr(exc)

@@ -211,12 +211,14 @@ class StreamSettings(_Section):
 
 class HealthSettings(_Section):
     # Failing closed: the worker stops itself (not ready, drain, exit 1) when requests wait and the
-    # engine makes no progress this long, when an intake loop has not polled this long, or when no
-    # reply could be produced this long. Shorter broker outages are retried with back-off.
+    # engine makes no progress this long, when an intake loop has not polled this long, when no
+    # reply could be produced this long, or when no offset could be committed this long while some
+    # waited to be. Shorter broker outages are retried with back-off.
     engine_stall_s: Seconds = 120.0
     engine_health_interval_s: Seconds = 10.0
     intake_stall_s: Seconds = 300.0  # a rebalance can hold a poll that long (max.poll.interval.ms)
     reply_outage_s: Seconds = 120.0
+    commit_outage_s: Seconds = 120.0
     # How often the worker asks the broker whether its own topics (the request topics it reads, the
     # reply, dead-letter and audit topics) still exist; two answers in a row saying one is gone fail it.
     topic_check_interval_s: Seconds = 10.0

@@ -115,9 +115,11 @@ class Liveness:
         self.polls[cls] = time.monotonic()
 
 
-async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emitter, *, stall_s: float,
-                  poll_stall_s: float, health_interval_s: float, outage_s: float, tick_s: float = 0.5) -> None:
-    """Fail the worker when the engine is dead or stalled, an intake loop stopped, or replies cannot go out.
+async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emitter, commits, *, stall_s: float,
+                  poll_stall_s: float, health_interval_s: float, outage_s: float, commit_outage_s: float,
+                  tick_s: float = 0.5) -> None:
+    """Fail the worker when the engine is dead or stalled, an intake loop stopped, replies cannot go out,
+    or offsets cannot be committed.
 
     `busy()` is true while requests wait for or hold an engine slot: only then does a
     lack of engine progress mean a stall.
@@ -141,6 +143,9 @@ async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emit
         if emitter.outage_for() > outage_s:
             supervisor.fail(f"replies could not be produced for {emitter.outage_for():.0f} s "
                             f"(SLUICE_REPLY_OUTAGE_S={outage_s:g})")
+        if commits.outage_for() > commit_outage_s:
+            supervisor.fail(f"offsets could not be committed for {commits.outage_for():.0f} s "
+                            f"(SLUICE_COMMIT_OUTAGE_S={commit_outage_s:g}): {commits.last_error[:300] or 'no answer from the broker'}")
         if now - last_health >= health_interval_s:
             last_health = now
             try:

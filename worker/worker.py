@@ -223,9 +223,10 @@ class Worker:
             sup.spawn(f"intake-{loop_name(t)}", self.intake.run(t, class_policy(t)))
         sup.spawn("dispatch", self.dispatch.run())
         sup.spawn("commits", self.commits.run())
-        sup.spawn("monitor", monitor(sup, self.liveness, self.engine, self.dispatch.busy, self.emitter,
+        sup.spawn("monitor", monitor(sup, self.liveness, self.engine, self.dispatch.busy, self.emitter, self.commits,
                                      stall_s=s.health.engine_stall_s, poll_stall_s=s.health.intake_stall_s,
-                                     health_interval_s=s.health.engine_health_interval_s, outage_s=s.health.reply_outage_s))
+                                     health_interval_s=s.health.engine_health_interval_s, outage_s=s.health.reply_outage_s,
+                                     commit_outage_s=s.health.commit_outage_s))
         sup.spawn("topic-watch", watch_topics(sup, self.emitter.own_topics_unusable,
                                               [t.name for t in self.catalog.topic], s.health.topic_check_interval_s))
         self._started = True
@@ -248,7 +249,7 @@ class Worker:
         if self.dispatch.steps_reported:
             self.engine.watch_steps(None)  # the engine may outlive this worker (tests, benchmarks)
         # Requests still waiting were never started: left uncommitted, another worker reads them.
-        for step in (self.commits.commit, self._stop_consumer, self._close_group_guard, self.emitter.stop,
+        for step in (self._final_commit, self._stop_consumer, self._close_group_guard, self.emitter.stop,
                      self.answers.stop):
             try:
                 await step()
@@ -258,6 +259,12 @@ class Worker:
             thaw_heap(self._gc_thresholds)
             self._gc_thresholds = None
         log.info("worker_stopped", failure=self.supervisor.failure)
+
+    async def _final_commit(self) -> None:
+        """The drain's commit, bounded: one that never returns (the reason this worker failed, maybe)
+        still leaves the consumer time to leave the group, so the others take its partitions now."""
+        async with asyncio.timeout(self.settings.worker.stop_margin_s / 2):
+            await self.commits.commit()
 
     async def _stop_consumer(self) -> None:
         """Stop the consumer, which leaves the group so that the others take its partitions now.
@@ -303,6 +310,7 @@ class Worker:
             "engine_progress_age_s": round(now - self.liveness.engine_progress, 1) if self.dispatch.busy() else 0.0,
             "intake_poll_age_s": {cls: round(now - at, 1) for cls, at in self.liveness.polls.items()},
             "reply_outage_s": round(self.emitter.outage_for(), 1),
+            "commit_outage_s": round(self.commits.outage_for(), 1),
         }
         if self.supervisor.failure is not None:
             details["failure"] = self.supervisor.failure

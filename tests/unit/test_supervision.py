@@ -11,7 +11,8 @@ import signal
 import time
 
 import pytest
-from aiokafka.errors import KafkaConnectionError, NotLeaderForPartitionError, TopicAuthorizationFailedError
+from aiokafka.errors import (GroupAuthorizationFailedError, KafkaConnectionError, NotLeaderForPartitionError,
+                             TopicAuthorizationFailedError)
 
 from tests.unit.harness import CATALOG, J, Memory
 from worker import service
@@ -273,6 +274,57 @@ async def test_a_short_broker_outage_is_ridden_out(monkeypatch):
     assert "r2" in mem.finals() and mem.all_committed()
     assert (await http_get(run.port, "/readyz"))[0] == 200 and not run.task.done()
     os.kill(os.getpid(), signal.SIGTERM)  # a clean drain exits 0
+    assert await asyncio.wait_for(run.task, 10) == 0
+
+
+async def test_offsets_that_cannot_be_committed_past_the_bound(monkeypatch):
+    """A worker that answers but can never commit (its group permission revoked, say) would look
+    healthy while every record it answered waits to be read and answered again."""
+    mem = Memory(engine=FakeEngine(token_delay_s=0.01), commit_outage_s=1.0, drain_grace_s=1)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    mem.consumer.commit_error = GroupAuthorizationFailedError()
+    since = time.monotonic()
+    mem.send("realtime", J({"id": "c1", "prompt": "x", "max_tokens": 1, "stream": False}), b"c1")
+    mem.send("standard", J({"id": "long", "prompt": "x", "max_tokens": 500}), b"long")  # in flight: a drain to see
+    await run.fails_closed(since, "offsets could not be committed")
+    assert "c1" in mem.finals()  # it answered; committing is what failed
+    assert "GroupAuthorizationFailedError" in run.worker.supervisor.failure
+
+
+async def test_a_commit_that_never_returns_fails_the_worker(monkeypatch):
+    mem = Memory(engine=FakeEngine(token_delay_s=0.01), commit_outage_s=1.0, drain_grace_s=1, stop_margin_s=1)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+
+    async def hangs(offsets):
+        await asyncio.Event().wait()
+
+    mem.consumer.commit = hangs
+    since = time.monotonic()
+    mem.send("realtime", J({"id": "c2", "prompt": "x", "max_tokens": 1, "stream": False}), b"c2")
+    mem.send("standard", J({"id": "long", "prompt": "x", "max_tokens": 500}), b"long")
+    await run.fails_closed(since, "no answer from the broker")
+
+
+async def test_a_short_commit_outage_is_ridden_out(monkeypatch):
+    mem = Memory(engine=FakeEngine(), commit_outage_s=5.0)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    mem.consumer.commit_error = KafkaConnectionError("coordinator gone")
+    mem.send("realtime", J({"id": "c3", "prompt": "x", "max_tokens": 1, "stream": False}), b"c3")
+    await asyncio.sleep(1.5)
+    assert "c3" in mem.finals() and not any(mem.broker.committed.values())
+    status, body = await http_get(run.port, "/readyz")
+    assert status == 200 and '"commit_outage_s": 0.0' not in body  # ready, and the outage shows
+    mem.consumer.commit_error = None
+    for _ in range(200):
+        if mem.all_committed():
+            break
+        await asyncio.sleep(0.02)
+    assert mem.all_committed() and not run.task.done()
+    assert '"commit_outage_s": 0.0' in (await http_get(run.port, "/readyz"))[1]
+    os.kill(os.getpid(), signal.SIGTERM)
     assert await asyncio.wait_for(run.task, 10) == 0
 
 
