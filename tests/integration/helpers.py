@@ -61,6 +61,21 @@ def http_get(port: int, path: str) -> tuple[int | None, str]:
         return None, ""
 
 
+async def first_503_until_exit(proc, port: int, since: float, limit_s: float, step_s: float = 0.1):
+    """Poll a worker process's /readyz until it exits or `limit_s` after `since` has passed: the first
+    503 as (seconds after `since`, body), or None if none was seen."""
+    import asyncio
+    import time
+
+    first = None
+    while proc.poll() is None and time.monotonic() - since < limit_s:
+        status, body = http_get(port, "/readyz")
+        if status == 503 and first is None:
+            first = (time.monotonic() - since, body)
+        await asyncio.sleep(step_s)
+    return first
+
+
 def prefixed_topics_file(catalog, path):
     """The default topics renamed with this test's prefix, for worker processes."""
     import topics

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from loadgen.burst import produce
-from tests.integration.helpers import committed_offsets, http_get
+from tests.integration.helpers import committed_offsets, first_503_until_exit
 from tests.integration.test_worker_process import start_worker
 from worker import devstack
 
@@ -38,12 +38,7 @@ async def test_commits_that_never_return_fail_the_worker(settings, catalog, mode
             await asyncio.sleep(0.05)
         os.kill(broker, signal.SIGSTOP)
         stopped = time.monotonic()
-        first_503 = None
-        while proc.poll() is None and time.monotonic() - stopped < 40:
-            status, body = http_get(port, "/readyz")
-            if status == 503 and first_503 is None:
-                first_503 = (time.monotonic() - stopped, body)
-            await asyncio.sleep(0.1)
+        first_503 = await first_503_until_exit(proc, port, stopped, limit_s=40)
         assert first_503 is not None, "never saw /readyz 503"
         assert "offsets could not be committed" in first_503[1] and "SLUICE_COMMIT_OUTAGE_S=4" in first_503[1], first_503
         assert 4 <= first_503[0] < 15, first_503

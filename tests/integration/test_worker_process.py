@@ -12,7 +12,8 @@ import pytest
 
 from loadgen.burst import ReplyReader, produce
 from schemas import DoneReply, TokenReply
-from tests.integration.helpers import committed_offsets, free_port, http_get, prefixed_topics_file
+from tests.integration.helpers import (committed_offsets, first_503_until_exit, free_port, http_get,
+                                       prefixed_topics_file)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -115,12 +116,7 @@ async def test_stalled_engine_fails_the_worker_closed(settings, catalog, model_d
         await reader.stop()
         assert frozen, "no token arrived, or no engine process was found"
         stopped_at = time.monotonic()
-        saw_503 = None
-        while proc.poll() is None and time.monotonic() - stopped_at < 90:
-            status, body = http_get(port, "/readyz")
-            if status == 503 and saw_503 is None:
-                saw_503 = (time.monotonic() - stopped_at, body)
-            await asyncio.sleep(0.2)
+        saw_503 = await first_503_until_exit(proc, port, stopped_at, limit_s=90, step_s=0.2)
         rc = proc.poll()
         exited_after = time.monotonic() - stopped_at
     finally:
