@@ -66,7 +66,9 @@ class MemoryConsumer:
 
     `fail_next` makes the next `getmany` raise (a client fault), `failing` every one while it is set
     (a broker that keeps refusing); `unreadable` holds
-    (tp, offset) pairs that raise on read, like a record aiokafka cannot parse.
+    (tp, offset) pairs that raise on read, like a record aiokafka cannot parse. `join_held`, while
+    not set, holds `start` as a coordinator that never completes the join does (aiokafka's `start`
+    returns once the group has assigned partitions); `rejoin_held` is a rebalance whose rejoin it holds.
     """
 
     def __init__(self, broker: MemoryBroker):
@@ -80,12 +82,15 @@ class MemoryConsumer:
         self.fail_next: Exception | None = None
         self.failing: Exception | None = None
         self.commit_error: Exception | None = None
+        self.join_held: asyncio.Event | None = None
         self.polls = 0
 
     def subscribe(self, topics, listener=None) -> None:
         self.topics, self.listener = list(topics), listener
 
     async def start(self) -> None:
+        if self.join_held is not None:
+            await self.join_held.wait()
         await self.assign({TopicPartition(t, p) for t in self.topics for p in range(self.broker.partitions)})
 
     async def assign(self, tps: set) -> None:
@@ -97,6 +102,13 @@ class MemoryConsumer:
             self._position[tp] = self.broker.committed.get(tp, 0)
         if self.listener is not None:
             await self.listener.on_partitions_assigned(set(tps))
+
+    async def rejoin_held(self) -> None:
+        """A rebalance whose rejoin the coordinator holds: this member's partitions are revoked, and
+        nothing is assigned again."""
+        if self.listener is not None:
+            await self.listener.on_partitions_revoked(set(self._assigned))
+        self._assigned = set()
 
     async def stop(self) -> None:
         return None

@@ -15,7 +15,7 @@ from worker import preflight
 from worker.engine import DeviceUnavailable, EngineDead
 from worker.ops import OpsServer
 from worker.settings import Settings
-from worker.worker import Worker
+from worker.worker import GroupJoinTimeout, Worker
 
 log = structlog.get_logger("sluice.service")
 
@@ -49,6 +49,27 @@ def exit_after(seconds: float, exit=os._exit) -> threading.Timer:
     timer.daemon = True
     timer.start()
     return timer
+
+
+async def _started_unless_stopped(worker: Worker, stop: asyncio.Event, on_stopping=None) -> bool:
+    """Start the worker, unless SIGTERM comes first (a group join the coordinator holds can take up to
+    SLUICE_GROUP_JOIN_S): then the start is cancelled, closing what it opened, within the same bound as a
+    drain (`on_stopping`), and False is returned."""
+    starting = asyncio.create_task(worker.start())
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if not starting.done():
+        if on_stopping is not None:
+            w = worker.settings.worker
+            on_stopping(w.drain_grace_s + w.stop_margin_s)
+        starting.cancel()
+        await asyncio.gather(starting, return_exceptions=True)
+        return False
+    starting.result()
+    return True
 
 
 async def run_worker(settings: Settings, catalog: Catalog, engine=None, on_stopping=None, **clients) -> int:
@@ -100,10 +121,13 @@ async def run_worker(settings: Settings, catalog: Catalog, engine=None, on_stopp
                 log.warning("ignore_eos", note="benchmark setting: every request runs to max_tokens (SLUICE_IGNORE_EOS)")
         worker = Worker(settings, catalog, engine, **clients)
         try:
-            await worker.start()
+            if not await _started_unless_stopped(worker, stop, on_stopping):
+                log.info("stopped_while_starting")
+                return 0
         except Exception as exc:  # noqa: BLE001 - whichever client could not start: one clear line, exit 1
             hint = (" (if the broker has no idempotent producers, as the embedded one has not, set "
-                    "SLUICE_KAFKA_IDEMPOTENCE=false)" if settings.kafka.idempotence else "")
+                    "SLUICE_KAFKA_IDEMPOTENCE=false)" if settings.kafka.idempotence
+                    and not isinstance(exc, GroupJoinTimeout) else "")
             log.error("startup_failed", error=repr(exc))
             print(f"sluice: the worker's clients could not start: {exc!r}{hint}", file=sys.stderr)
             return 1

@@ -219,6 +219,10 @@ class HealthSettings(_Section):
     intake_stall_s: Seconds = 300.0  # a rebalance can hold a poll that long (max.poll.interval.ms)
     reply_outage_s: Seconds = 120.0
     commit_outage_s: Seconds = 120.0
+    # A group join (the first, at start, or a rejoin after a rebalance) not completed this long fails
+    # the worker: outside its group it reads nothing, and a join the coordinator holds (a member that
+    # never rejoins, a broker that never answers it) would otherwise hold the worker for ever.
+    group_join_s: Seconds = 120.0
     # How often the worker asks the broker whether its own topics (the request topics it reads, the
     # reply, dead-letter and audit topics) still exist; two answers in a row saying one is gone fail it.
     topic_check_interval_s: Seconds = 10.0

@@ -101,12 +101,25 @@ async def watch_topics(supervisor: Supervisor, unusable, topics: list[str], inte
 
 
 class Liveness:
-    """Time stamps the health monitor reads: engine progress and each intake loop's last poll."""
+    """Time stamps the health monitor reads: engine progress, each intake loop's last poll, and since
+    when the worker has been outside its consumer group (None: a member)."""
 
     def __init__(self, classes):
         now = time.monotonic()
         self.engine_progress = now
         self.polls = {cls: now for cls in classes}
+        self.out_of_group_since: float | None = None
+
+    def group_left(self) -> None:
+        """A join begins (at start, or a rebalance revoked this worker's partitions)."""
+        if self.out_of_group_since is None:
+            self.out_of_group_since = time.monotonic()
+
+    def group_joined(self) -> None:
+        self.out_of_group_since = None
+
+    def out_of_group_for(self, now: float) -> float:
+        return 0.0 if self.out_of_group_since is None else now - self.out_of_group_since
 
     def engine_moved(self) -> None:
         self.engine_progress = time.monotonic()
@@ -117,9 +130,9 @@ class Liveness:
 
 async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emitter, commits, *, stall_s: float,
                   poll_stall_s: float, health_interval_s: float, outage_s: float, commit_outage_s: float,
-                  tick_s: float = 0.5) -> None:
+                  group_join_s: float = float("inf"), tick_s: float = 0.5) -> None:
     """Fail the worker when the engine is dead or stalled, an intake loop stopped, replies cannot go out,
-    or offsets cannot be committed.
+    offsets cannot be committed, or a rejoin of its consumer group does not complete.
 
     `busy()` is true while requests wait for or hold an engine slot: only then does a
     lack of engine progress mean a stall.
@@ -146,6 +159,10 @@ async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emit
         if commits.outage_for() > commit_outage_s:
             supervisor.fail(f"offsets could not be committed for {commits.outage_for():.0f} s "
                             f"(SLUICE_COMMIT_OUTAGE_S={commit_outage_s:g}): {commits.last_error[:300] or 'no answer from the broker'}")
+        if liveness.out_of_group_for(now) > group_join_s:
+            # a join the coordinator holds raises nothing: aiokafka waits on it for ever
+            supervisor.fail(f"group rejoin not completed after {liveness.out_of_group_for(now):.0f} s "
+                            f"(SLUICE_GROUP_JOIN_S={group_join_s:g}): outside its consumer group the worker reads nothing")
         if now - last_health >= health_interval_s:
             last_health = now
             try:

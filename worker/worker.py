@@ -46,6 +46,9 @@ from worker.tenancy import Tenancy
 log = structlog.get_logger("sluice.worker")
 # After the grace and the aborts, how long final replies already on their way may take.
 REVOKE_FINISH_S = 8.0
+# Each client's stop after a failed start gets this long: a consumer whose join the coordinator held
+# waits for that join request's timeout (SLUICE_KAFKA_REQUEST_TIMEOUT_MS) before it stops.
+START_CLEANUP_S = 5.0
 
 
 def freeze_heap(young_threshold: int) -> tuple[int, int, int]:
@@ -107,14 +110,20 @@ def answer_store(settings: Settings) -> AnswerStore:
                        client_options=settings.redis.client_options())
 
 
+class GroupJoinTimeout(Exception):
+    """The worker's first group join did not complete within SLUICE_GROUP_JOIN_S."""
+
+
 class _Rebalance(ConsumerRebalanceListener):
     def __init__(self, worker: "Worker"):
         self.worker = worker
 
     async def on_partitions_revoked(self, revoked):
+        self.worker.liveness.group_left()  # aiokafka calls this as every rejoin begins
         await self.worker._on_revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned):
+        self.worker.liveness.group_joined()
         # aiokafka keeps the member id on its coordinator; the guard needs it to leave for a dead worker
         coordinator = getattr(self.worker.consumer, "_coordinator", None)
         self.worker.group_guard.joined(getattr(coordinator, "member_id", ""))
@@ -207,12 +216,24 @@ class Worker:
                 started.append(self._close_group_guard)
                 self.group_guard.start(s.kafka, s.group.id, timeout_s=s.kafka.request_timeout_ms / 1000)
             started.append(self.consumer.stop)
-            await self.consumer.start()
+            self.liveness.group_left()
+            join = asyncio.timeout(s.health.group_join_s)
+            try:
+                async with join:
+                    await self.consumer.start()  # returns once the group has assigned this worker its partitions
+            except TimeoutError:
+                if not join.expired():
+                    raise
+                raise GroupJoinTimeout(
+                    f"the consumer group {s.group.id} did not take this worker in within {s.health.group_join_s:g} s "
+                    f"(SLUICE_GROUP_JOIN_S): the coordinator held the join (a member that does not rejoin, "
+                    f"a broker that does not answer)") from None
         except BaseException:
             # whichever client could not start: all are closed, not left to the process exit
             for stop in reversed(started):
                 with contextlib.suppress(Exception):
-                    await stop()
+                    async with asyncio.timeout(START_CLEANUP_S):
+                        await stop()
             raise
         metrics.engine_up.set(1)
         self._gc_thresholds = freeze_heap(s.ops.gc_young_threshold)
@@ -226,7 +247,7 @@ class Worker:
         sup.spawn("monitor", monitor(sup, self.liveness, self.engine, self.dispatch.busy, self.emitter, self.commits,
                                      stall_s=s.health.engine_stall_s, poll_stall_s=s.health.intake_stall_s,
                                      health_interval_s=s.health.engine_health_interval_s, outage_s=s.health.reply_outage_s,
-                                     commit_outage_s=s.health.commit_outage_s))
+                                     commit_outage_s=s.health.commit_outage_s, group_join_s=s.health.group_join_s))
         sup.spawn("topic-watch", watch_topics(sup, self.emitter.own_topics_unusable,
                                               [t.name for t in self.catalog.topic], s.health.topic_check_interval_s))
         self._started = True
@@ -311,6 +332,7 @@ class Worker:
             "intake_poll_age_s": {cls: round(now - at, 1) for cls, at in self.liveness.polls.items()},
             "reply_outage_s": round(self.emitter.outage_for(), 1),
             "commit_outage_s": round(self.commits.outage_for(), 1),
+            "out_of_group_s": round(self.liveness.out_of_group_for(now), 1),
         }
         if self.supervisor.failure is not None:
             details["failure"] = self.supervisor.failure

@@ -18,15 +18,21 @@ from tests.integration.helpers import (committed_offsets, first_503_until_exit, 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-async def start_worker(catalog, model_dir, tmp_path, **env_extra):
-    """`sluice worker` as a process on this test's topics, once its /readyz says 200: (proc, port, group)."""
+def spawn_worker(catalog, model_dir, tmp_path, group: str | None = None, log_name: str = "worker.log", **env_extra):
+    """`sluice worker` as a process on this test's topics, logging to tmp_path/log_name: (proc, port, group)."""
     topics_file = prefixed_topics_file(catalog, tmp_path / "topics.toml")
-    port, group = free_port(), f"g-{uuid.uuid4().hex[:6]}"
+    port, group = free_port(), group or f"g-{uuid.uuid4().hex[:6]}"
     env = {**os.environ, "SLUICE_TOPICS_FILE": str(topics_file), "SLUICE_METRICS_PORT": str(port),
            "SLUICE_GROUP_ID": group, "SLUICE_MODEL": str(model_dir), "SLUICE_KAFKA_IDEMPOTENCE": "false",
            "SLUICE_REDIS_KEY_PREFIX": f"p{uuid.uuid4().hex[:6]}", **env_extra}
-    log = open(tmp_path / "worker.log", "wb")
+    log = open(tmp_path / log_name, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "worker.cli", "worker"], env=env, stdout=log, stderr=log)
+    return proc, port, group
+
+
+async def start_worker(catalog, model_dir, tmp_path, **env_extra):
+    """`sluice worker` as a process on this test's topics, once its /readyz says 200: (proc, port, group)."""
+    proc, port, group = spawn_worker(catalog, model_dir, tmp_path, **env_extra)
     end = time.monotonic() + 400
     while http_get(port, "/readyz")[0] != 200:
         if proc.poll() is not None or time.monotonic() > end:

@@ -462,3 +462,74 @@ async def test_a_client_that_cannot_start_closes_the_ones_that_did():
         await worker.start()
     assert mem.producer._sender.sender_task.done()
     assert mem.answers.writer.done()
+
+
+async def test_a_first_group_join_the_coordinator_holds_is_one_clear_line_and_exit_1(monkeypatch, capsys):
+    """aiokafka's start returns once the group has assigned partitions. A join the coordinator holds
+    (a member that never rejoins, a broker that never answers the join) held the worker there for ever:
+    not ready, never exiting, so never restarted."""
+    mem = Memory(group_join_s=1.0, kafka_idempotence=True)
+    mem.consumer.join_held = asyncio.Event()
+    run = Run(monkeypatch, mem)
+    since = time.monotonic()
+    await asyncio.sleep(0.5)
+    assert (await http_get(run.port, "/readyz"))[0] == 503 and not run.task.done()
+    assert await asyncio.wait_for(run.task, 10) == 1
+    assert time.monotonic() - since < 5
+    err = capsys.readouterr().err
+    assert "consumer group sluice-workers did not take this worker in within 1 s" in err
+    assert "SLUICE_KAFKA_IDEMPOTENCE" not in err  # that hint is for a producer the broker refused
+    assert mem.producer._sender.sender_task.done() and mem.answers.writer.done()  # closed, not left running
+
+
+async def test_sigterm_while_the_group_join_is_held_exits_0_at_once(monkeypatch):
+    mem = Memory()  # the default bound: minutes
+    mem.consumer.join_held = asyncio.Event()
+    run = Run(monkeypatch, mem)
+    await asyncio.sleep(0.5)
+    assert (await http_get(run.port, "/readyz"))[0] == 503 and not run.task.done()
+    since = time.monotonic()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert await asyncio.wait_for(run.task, 10) == 0
+    assert time.monotonic() - since < 3
+    assert mem.producer._sender.sender_task.done() and mem.answers.writer.done()
+
+
+async def _slow_stop():
+    await asyncio.sleep(0.5)  # an idle worker's drain is instant: this keeps its 503 long enough to be seen
+
+
+async def test_a_rejoin_the_coordinator_holds_fails_the_worker(monkeypatch):
+    """After a rebalance revoked its partitions, a worker whose rejoin never completes reads nothing;
+    its intake loops, with nothing assigned, kept /readyz green."""
+    mem = Memory(group_join_s=1.0)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    mem.consumer.stop = _slow_stop
+    since = time.monotonic()
+    await mem.consumer.rejoin_held()
+    await run.fails_closed(since, "group rejoin not completed")
+    assert "SLUICE_GROUP_JOIN_S=1" in run.worker.supervisor.failure
+
+
+async def test_a_rejoin_within_the_bound_is_ridden_out(monkeypatch):
+    mem = Memory(group_join_s=1.5)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    tps = mem.consumer.assignment()
+    await mem.consumer.rejoin_held()
+    await asyncio.sleep(0.8)
+    status, body = await http_get(run.port, "/readyz")
+    assert status == 200 and '"out_of_group_s": 0.0' not in body  # ready, and the rejoin shows
+    await mem.consumer.assign(tps)
+    await asyncio.sleep(1.5)  # past the bound counted from the revoke: the clock stopped at the assignment
+    status, body = await http_get(run.port, "/readyz")
+    assert status == 200 and '"out_of_group_s": 0.0' in body and not run.task.done()
+    mem.send("realtime", J({"id": "back", "prompt": "x", "max_tokens": 1, "stream": False}), b"back")
+    for _ in range(200):
+        if "back" in mem.finals():
+            break
+        await asyncio.sleep(0.02)
+    assert "back" in mem.finals()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert await asyncio.wait_for(run.task, 10) == 0

@@ -1,0 +1,61 @@
+"""A `sluice worker` whose group join the coordinator holds exits instead of waiting for ever.
+
+aiokafka's `start` returns once the group has assigned partitions. The embedded broker holds the
+first join of a new group for half the rebalance timeout of the member that opened it, so a member
+with a 10-minute rebalance timeout holds every join into that group for 5 minutes: the shape of a
+coordinator that never completes a join. Before `SLUICE_GROUP_JOIN_S`, a worker joining such a group
+stayed not ready, never exiting (so never restarted), and ignored SIGTERM until the join completed.
+The engine is the fake one: what is under test is the Kafka client's join."""
+
+import asyncio
+import contextlib
+import signal
+import time
+import uuid
+
+import pytest
+from aiokafka import AIOKafkaConsumer
+
+from tests.integration.helpers import http_get
+from tests.integration.test_worker_process import spawn_worker
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+async def test_a_held_group_join_ends_the_worker(settings, catalog, model_dir, tmp_path):
+    group = f"held-{uuid.uuid4().hex[:6]}"
+    holder = AIOKafkaConsumer(catalog.request_topic("batch").name, **settings.kafka.options(), group_id=group,
+                              session_timeout_ms=600_000, rebalance_timeout_ms=600_000, heartbeat_interval_ms=3000)
+    holding = asyncio.create_task(holder.start())  # its own join is held too: it never returns here
+    await asyncio.sleep(1)
+    bounded, port, _ = spawn_worker(catalog, model_dir, tmp_path, group=group, log_name="bounded.log",
+                                    SLUICE_ENGINE_KIND="fake", SLUICE_GROUP_JOIN_S="6")
+    stopped, stopped_port, _ = spawn_worker(catalog, model_dir, tmp_path, group=group, log_name="stopped.log",
+                                            SLUICE_ENGINE_KIND="fake")  # the default bound: minutes
+    try:
+        since = time.monotonic()
+        await asyncio.sleep(4)
+        assert not holding.done(), "the broker did not hold the join: nothing here is under test"
+        assert http_get(stopped_port, "/readyz")[0] == 503 and stopped.poll() is None
+        stopped.send_signal(signal.SIGTERM)
+        sigterm_at = time.monotonic()
+        rc = await asyncio.to_thread(stopped.wait, 30)
+        assert rc == 0 and time.monotonic() - sigterm_at < 10, "SIGTERM during a held join"
+
+        rc = await asyncio.to_thread(bounded.wait, 40)
+        assert rc == 1
+        took = time.monotonic() - since
+        out = (tmp_path / "bounded.log").read_text()
+        assert f"consumer group {group} did not take this worker in within 6 s" in out, out[-2000:]
+        assert 6 <= took < 25, took
+        assert http_get(port, "/readyz")[0] is None  # gone, not left not-ready
+    finally:
+        for proc in (bounded, stopped):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        holding.cancel()
+        with contextlib.suppress(BaseException):
+            await holding
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(holder.stop(), 10)
