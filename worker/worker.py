@@ -338,6 +338,8 @@ class Worker:
             details["failure"] = self.supervisor.failure
         elif self._stopping.is_set():
             details["stopping"] = True
+        elif not self._started:
+            details["starting"] = "joining the consumer group"  # the engine is loaded: what else holds a start
         return self.ready, details
 
     # -- rebalance ---------------------------------------------------------------

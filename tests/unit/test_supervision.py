@@ -473,7 +473,8 @@ async def test_a_first_group_join_the_coordinator_holds_is_one_clear_line_and_ex
     run = Run(monkeypatch, mem)
     since = time.monotonic()
     await asyncio.sleep(0.5)
-    assert (await http_get(run.port, "/readyz"))[0] == 503 and not run.task.done()
+    status, body = await http_get(run.port, "/readyz")
+    assert status == 503 and '"starting": "joining the consumer group"' in body and not run.task.done()
     assert await asyncio.wait_for(run.task, 10) == 1
     assert time.monotonic() - since < 5
     err = capsys.readouterr().err
