@@ -130,7 +130,7 @@ class Liveness:
 
 async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emitter, commits, *, stall_s: float,
                   poll_stall_s: float, health_interval_s: float, outage_s: float, commit_outage_s: float,
-                  group_join_s: float = float("inf"), tick_s: float = 0.5) -> None:
+                  group_join_s: float, tick_s: float = 0.5) -> None:
     """Fail the worker when the engine is dead or stalled, an intake loop stopped, replies cannot go out,
     offsets cannot be committed, or a rejoin of its consumer group does not complete.
 
