@@ -141,10 +141,14 @@ async def check_kafka(kafka_settings, topics=(), timeout_s: float = 15.0) -> Non
         except Exception as exc:  # noqa: BLE001 - any failure here names the settings
             what = next((c for c in _chain(exc) if "SSL" in type(c).__name__ or "Sasl" in type(c).__name__
                          or "Authentication" in type(c).__name__), exc)
+            # a bare timeout says nothing by its name: a broker that is down or stopped, or a listener
+            # that speaks another protocol, leaves the client waiting
+            why = (f"no answer within {timeout_s:g} s" if what is exc and isinstance(exc, TimeoutError)
+                   else f"{type(what).__name__}: {str(what)[:160]}")
             raise StartupError(f"cannot connect to Kafka at SLUICE_KAFKA_BOOTSTRAP={kafka_settings.bootstrap} with "
-                               f"SLUICE_KAFKA_SECURITY_PROTOCOL={kafka_settings.security_protocol} "
-                               f"({type(what).__name__}: {str(what)[:160]}): check the SLUICE_KAFKA_SSL_* and "
-                               "SLUICE_KAFKA_SASL_* settings") from None
+                               f"SLUICE_KAFKA_SECURITY_PROTOCOL={kafka_settings.security_protocol} ({why}): is the "
+                               "broker up there, and do the SLUICE_KAFKA_SSL_* and SLUICE_KAFKA_SASL_* settings "
+                               "match its listener?") from None
         missing = [t for t in topics if wrong.get(t) == topic_metadata.PROBLEMS[3]]
         if missing:
             raise StartupError(f"topics missing on the broker: {', '.join(missing)}; create them with "
