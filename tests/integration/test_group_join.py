@@ -1,4 +1,5 @@
-"""A `sluice worker` whose group join the coordinator holds exits instead of waiting for ever.
+"""A `sluice worker` whose group join does not complete exits instead of waiting for ever: a first
+join the coordinator holds, and a rejoin the broker stops answering mid-rebalance.
 
 aiokafka's `start` returns once the group has assigned partitions. The embedded broker holds the
 first join of a new group for half the rebalance timeout of the member that opened it, so a member
@@ -9,6 +10,7 @@ The engine is the fake one: what is under test is the Kafka client's join."""
 
 import asyncio
 import contextlib
+import os
 import signal
 import time
 import uuid
@@ -16,8 +18,9 @@ import uuid
 import pytest
 from aiokafka import AIOKafkaConsumer
 
-from tests.integration.helpers import http_get
-from tests.integration.test_worker_process import spawn_worker
+from tests.integration.helpers import first_503_until_exit, http_get
+from tests.integration.test_worker_process import spawn_worker, start_worker
+from worker import devstack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -59,3 +62,40 @@ async def test_a_held_group_join_ends_the_worker(settings, catalog, model_dir, t
             await holding
         with contextlib.suppress(Exception):
             await asyncio.wait_for(holder.stop(), 10)
+
+
+async def test_a_rejoin_held_by_a_broker_that_stops_mid_rebalance_fails_the_worker(settings, catalog, model_dir,
+                                                                                    tmp_path):
+    """A rebalance begins (a second member joins), and the broker stops answering before the worker's
+    rejoin completes: its partitions are revoked and none come back. Before, its intake loops, with
+    nothing assigned, kept /readyz green; now the rejoin's clock fails it past the bound."""
+    proc, port, group = await start_worker(
+        catalog, model_dir, tmp_path, SLUICE_ENGINE_KIND="fake", SLUICE_GROUP_JOIN_S="8",
+        SLUICE_DRAIN_GRACE_S="2", SLUICE_STOP_MARGIN_S="6")
+    broker = int(devstack.BROKER.pidfile(devstack.DEFAULT_DIR.resolve()).read_text())
+    joiner = AIOKafkaConsumer(catalog.request_topic("batch").name, **settings.kafka.options(), group_id=group)
+    joining = asyncio.create_task(joiner.start())
+    stopped = None
+    try:
+        end = time.monotonic() + 30
+        while '"out_of_group_s": 0.0' in http_get(port, "/readyz")[1]:  # the worker's rejoin has begun
+            assert time.monotonic() < end and not joining.done(), "no rebalance reached the worker"
+            await asyncio.sleep(0.05)
+        os.kill(broker, signal.SIGSTOP)
+        stopped = time.monotonic()
+        first_503 = await first_503_until_exit(proc, port, stopped, limit_s=40)
+        assert first_503 is not None, "never saw /readyz 503"
+        assert "group rejoin not completed" in first_503[1] and "SLUICE_GROUP_JOIN_S=8" in first_503[1], first_503
+        assert first_503[0] < 12, first_503
+        assert proc.poll() == 1, "the worker did not exit 1 while the broker was away"
+    finally:
+        if stopped is not None:
+            os.kill(broker, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        joining.cancel()
+        with contextlib.suppress(BaseException):
+            await joining
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(joiner.stop(), 10)
