@@ -76,6 +76,45 @@ async def first_503_until_exit(proc, port: int, since: float, limit_s: float, st
     return first
 
 
+@contextlib.contextmanager
+def broker_stopped():
+    """The embedded broker SIGSTOPped for the block, and resumed however the block ends; yields when
+    it was stopped (time.monotonic())."""
+    import os
+    import signal
+    import time
+
+    from worker import devstack
+
+    broker = int(devstack.BROKER.pidfile(devstack.DEFAULT_DIR.resolve()).read_text())
+    os.kill(broker, signal.SIGSTOP)
+    try:
+        yield time.monotonic()
+    finally:
+        os.kill(broker, signal.SIGCONT)
+
+
+async def fails_closed_while_broker_stopped(proc, port: int, *reasons: str, within_s: float) -> float:
+    """With the broker stopped: /readyz 503 naming every one of `reasons` within `within_s`, then exit 1
+    before it is resumed. Returns the seconds to the first 503."""
+    with broker_stopped() as stopped:
+        first_503 = await first_503_until_exit(proc, port, stopped, limit_s=40)
+        assert first_503 is not None, "never saw /readyz 503"
+        assert all(reason in first_503[1] for reason in reasons), first_503
+        assert first_503[0] < within_s, first_503
+        assert proc.poll() == 1, "the worker did not exit 1 while the broker was away"
+    return first_503[0]
+
+
+async def abandon_join(consumer, joining) -> None:
+    """A test's own group member whose `start()` (the join) may still be waiting: cancelled, then stopped."""
+    joining.cancel()
+    with contextlib.suppress(BaseException):
+        await joining
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(consumer.stop(), 10)
+
+
 def prefixed_topics_file(catalog, path):
     """The default topics renamed with this test's prefix, for worker processes."""
     import topics

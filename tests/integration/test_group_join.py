@@ -9,8 +9,6 @@ stayed not ready, never exiting (so never restarted), and ignored SIGTERM until 
 The engine is the fake one: what is under test is the Kafka client's join."""
 
 import asyncio
-import contextlib
-import os
 import signal
 import time
 import uuid
@@ -18,9 +16,8 @@ import uuid
 import pytest
 from aiokafka import AIOKafkaConsumer
 
-from tests.integration.helpers import first_503_until_exit, http_get
+from tests.integration.helpers import abandon_join, fails_closed_while_broker_stopped, http_get
 from tests.integration.test_worker_process import spawn_worker, start_worker
-from worker import devstack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -57,11 +54,7 @@ async def test_a_held_group_join_ends_the_worker(settings, catalog, model_dir, t
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
-        holding.cancel()
-        with contextlib.suppress(BaseException):
-            await holding
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(holder.stop(), 10)
+        await abandon_join(holder, holding)
 
 
 async def test_a_rejoin_held_by_a_broker_that_stops_mid_rebalance_fails_the_worker(settings, catalog, model_dir,
@@ -72,30 +65,17 @@ async def test_a_rejoin_held_by_a_broker_that_stops_mid_rebalance_fails_the_work
     proc, port, group = await start_worker(
         catalog, model_dir, tmp_path, SLUICE_ENGINE_KIND="fake", SLUICE_GROUP_JOIN_S="8",
         SLUICE_DRAIN_GRACE_S="2", SLUICE_STOP_MARGIN_S="6")
-    broker = int(devstack.BROKER.pidfile(devstack.DEFAULT_DIR.resolve()).read_text())
     joiner = AIOKafkaConsumer(catalog.request_topic("batch").name, **settings.kafka.options(), group_id=group)
     joining = asyncio.create_task(joiner.start())
-    stopped = None
     try:
         end = time.monotonic() + 30
         while '"out_of_group_s": 0.0' in http_get(port, "/readyz")[1]:  # the worker's rejoin has begun
             assert time.monotonic() < end and not joining.done(), "no rebalance reached the worker"
             await asyncio.sleep(0.05)
-        os.kill(broker, signal.SIGSTOP)
-        stopped = time.monotonic()
-        first_503 = await first_503_until_exit(proc, port, stopped, limit_s=40)
-        assert first_503 is not None, "never saw /readyz 503"
-        assert "group rejoin not completed" in first_503[1] and "SLUICE_GROUP_JOIN_S=8" in first_503[1], first_503
-        assert first_503[0] < 12, first_503
-        assert proc.poll() == 1, "the worker did not exit 1 while the broker was away"
+        await fails_closed_while_broker_stopped(proc, port, "group rejoin not completed", "SLUICE_GROUP_JOIN_S=8",
+                                                within_s=12)
     finally:
-        if stopped is not None:
-            os.kill(broker, signal.SIGCONT)
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-        joining.cancel()
-        with contextlib.suppress(BaseException):
-            await joining
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(joiner.stop(), 10)
+        await abandon_join(joiner, joining)
