@@ -105,6 +105,14 @@ class Run:
         assert reason in (self.worker.supervisor.failure or "")
 
 
+async def answered(mem: Memory, request_id: str, within_s: float = 4.0) -> bool:
+    """Whether `request_id`'s final reply reached the reply topic within `within_s`."""
+    end = time.monotonic() + within_s
+    while request_id not in mem.finals() and time.monotonic() < end:
+        await asyncio.sleep(0.02)
+    return request_id in mem.finals()
+
+
 def busy(mem: Memory) -> None:
     """A request that takes a couple of seconds, so the drain (and the 503) lasts that long."""
     mem.send("standard", J({"id": "slow", "prompt": "x", "max_tokens": 40}), b"slow")
@@ -207,11 +215,7 @@ async def test_retriable_fetch_errors_are_ridden_out(monkeypatch):
     assert (await http_get(run.port, "/readyz"))[0] == 200 and not run.task.done()
     mem.consumer.failing = None
     mem.send("realtime", J({"id": "after", "prompt": "x", "max_tokens": 1}), b"after")
-    for _ in range(200):
-        if "after" in mem.finals():
-            break
-        await asyncio.sleep(0.02)
-    assert "after" in mem.finals()
+    assert await answered(mem, "after")
     os.kill(os.getpid(), signal.SIGTERM)
     assert await asyncio.wait_for(run.task, 10) == 0
 
@@ -527,10 +531,6 @@ async def test_a_rejoin_within_the_bound_is_ridden_out(monkeypatch):
     status, body = await http_get(run.port, "/readyz")
     assert status == 200 and '"out_of_group_s": 0.0' in body and not run.task.done()
     mem.send("realtime", J({"id": "back", "prompt": "x", "max_tokens": 1, "stream": False}), b"back")
-    for _ in range(200):
-        if "back" in mem.finals():
-            break
-        await asyncio.sleep(0.02)
-    assert "back" in mem.finals()
+    assert await answered(mem, "back")
     os.kill(os.getpid(), signal.SIGTERM)
     assert await asyncio.wait_for(run.task, 10) == 0
