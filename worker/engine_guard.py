@@ -15,10 +15,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 PROC = Path("/proc")
 STAND_DOWN = b"stand-down"  # the last line of a clean shutdown
+KILLED_WAIT_S = 1.0  # how long `end_descendants` waits for what it SIGKILLed to go
 
 
 def stat_fields(pid: int, proc: Path = PROC) -> list[str] | None:
@@ -99,6 +101,45 @@ class EngineGuard:
             self._proc.stdin.close()
             self._proc.wait(timeout=10)
             self._proc = None
+
+
+def ends_by_itself(pid: int, proc: Path = PROC) -> bool:
+    """Python's resource tracker: it removes the shared memory the engine's processes leave, and
+    exits once this process has gone, so it is left to do both."""
+    try:
+        return b"multiprocessing.resource_tracker" in (proc / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return True  # gone already
+
+
+def end_descendants(grace_s: float, proc: Path = PROC, kill=os.kill, clock=time.monotonic, sleep=time.sleep,
+                    root: int | None = None) -> list[int]:
+    """End every process below this one (the engine core, its workers, the forkserver), as a worker
+    stopped while its engine is still loading must: SIGTERM first (vLLM's engine core shuts down on
+    it), SIGKILL whatever is left after `grace_s`, and wait for it to go. A process signalled is
+    followed until it has gone, even once its parent went first and it is no longer below this one;
+    and the tree is looked at again each round, since the loading thread may start another
+    meanwhile. Returns the pids signalled."""
+    root = os.getpid() if root is None else root
+    deadline = clock() + grace_s
+    signalled: dict[int, int] = {}  # pid -> start time: the same process, not a later one with its pid
+    while True:
+        below = [p for p in descendants(parents(proc), root) if not ends_by_itself(p, proc)]
+        alive = {p: t for p in below if (f := stat_fields(p, proc)) and f[0] != "Z" and (t := int(f[19]))}
+        alive.update((p, t) for p, t in signalled.items() if running(p, t, proc))
+        if not alive:
+            return sorted(signalled)
+        late = clock() >= deadline
+        for pid, started in alive.items():
+            if late or pid not in signalled:
+                try:
+                    kill(pid, signal.SIGKILL if late else signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+                signalled[pid] = started
+        if clock() >= deadline + KILLED_WAIT_S:  # a SIGKILLed process is gone in milliseconds; not one in D state
+            return sorted(signalled)
+        sleep(0.05)
 
 
 def kill_survivors(lines, proc: Path = PROC, kill=os.kill) -> list[int]:

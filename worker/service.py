@@ -51,17 +51,51 @@ def exit_after(seconds: float, exit=os._exit) -> threading.Timer:
     return timer
 
 
+# How long the engine's processes get to end on SIGTERM when the worker is stopped while it loads
+LOADING_STOP_S = 5.0
+
+
+async def _done_unless_stopped(task: asyncio.Future, stop: asyncio.Event) -> bool:
+    """Wait for `task` or for `stop`, whichever comes first: whether `task` is done."""
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    return task.done()
+
+
+async def _loaded_unless_stopped(load, stop: asyncio.Event):
+    """`load()` in a thread (vLLM's load and compile take a minute or more), unless SIGTERM comes first.
+
+    A loading engine cannot be cancelled from here: its thread waits on the engine core process. So a
+    stop ends the processes under this one and exits 0 at once (`abandon_loading`), rather than loading
+    for a minute only to shut down: a terminal's Ctrl-C, or Kubernetes' SIGTERM to a pod still starting,
+    would otherwise wait that long, and a grace period shorter than the load ends in SIGKILL."""
+    loading = asyncio.ensure_future(asyncio.to_thread(load))
+    if not await _done_unless_stopped(loading, stop):
+        abandon_loading()
+    return loading.result()
+
+
+def abandon_loading(exit=os._exit) -> None:
+    from worker.engine_guard import end_descendants
+
+    ended = end_descendants(LOADING_STOP_S)
+    try:
+        log.info("stopped_while_loading", ended_processes=len(ended), note="exiting 0 before the engine was ready")
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        exit(0)  # not a return: the loading thread cannot be joined, and the interpreter would wait for it
+
+
 async def _started_unless_stopped(worker: Worker, stop: asyncio.Event, on_stopping=None) -> bool:
     """Start the worker, unless SIGTERM comes first (a group join the coordinator holds can take up to
     SLUICE_GROUP_JOIN_S): then the start is cancelled, closing what it opened, within the same bound as a
     drain (`on_stopping`), and False is returned."""
     starting = asyncio.create_task(worker.start())
-    stopped = asyncio.create_task(stop.wait())
-    try:
-        await asyncio.wait([starting, stopped], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopped.cancel()
-    if not starting.done():
+    if not await _done_unless_stopped(starting, stop):
         if on_stopping is not None:
             w = worker.settings.worker
             on_stopping(w.drain_grace_s + w.stop_margin_s)
@@ -115,7 +149,7 @@ async def run_worker(settings: Settings, catalog: Catalog, engine=None, on_stopp
             from worker.engine import VllmEngine
 
             log.info("engine_loading", model=settings.engine.model, device=settings.engine.device)
-            engine = await asyncio.to_thread(VllmEngine, settings)
+            engine = await _loaded_unless_stopped(lambda: VllmEngine(settings), stop)
             log.info("engine_ready", **engine.resolved)
             if settings.engine.ignore_eos:
                 log.warning("ignore_eos", note="benchmark setting: every request runs to max_tokens (SLUICE_IGNORE_EOS)")

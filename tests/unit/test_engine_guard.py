@@ -86,3 +86,56 @@ def test_a_clean_close_kills_nothing():
         assert child.poll() is None and g.running(child.pid, g.start_time(child.pid))
     finally:
         child.kill()
+
+
+# A stand-in for what a loading engine leaves under the worker: a child that ends on SIGTERM with a
+# grandchild that ignores it (orphaned once its parent has gone), and Python's resource tracker.
+IGNORES_TERM = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(os.getpid(), flush=True); "
+                "time.sleep(120)")
+TREE = f"""
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", '''
+import subprocess, sys, time
+grandchild = subprocess.Popen([sys.executable, "-c", {IGNORES_TERM!r}], stdout=subprocess.PIPE, text=True)
+print(grandchild.stdout.readline().strip(), flush=True)  # once it ignores SIGTERM
+time.sleep(120)
+'''], stdout=subprocess.PIPE, text=True)
+tracker = subprocess.Popen([sys.executable, "-c", "# multiprocessing.resource_tracker\\nimport time; time.sleep(120)"])
+print(child.pid, child.stdout.readline().strip(), tracker.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_end_descendants_terms_then_kills_and_follows_orphans():
+    root = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE, text=True)
+    try:
+        child, grandchild, tracker = (int(p) for p in root.stdout.readline().split())
+        started = {p: g.start_time(p) for p in (child, grandchild, tracker)}
+        t0 = time.monotonic()
+        signalled = g.end_descendants(1.0, root=root.pid)
+        took = time.monotonic() - t0
+        assert signalled == sorted([child, grandchild])  # the tracker is left to end itself
+        # the child ended on SIGTERM; its orphaned grandchild, which ignores it, was killed after the grace
+        assert not g.running(child, started[child]) and not g.running(grandchild, started[grandchild])
+        assert 1.0 <= took < 5, took
+        assert g.running(tracker, started[tracker])
+    finally:
+        for pid in g.descendants(g.parents(), root.pid):
+            with __import__("contextlib").suppress(ProcessLookupError):
+                __import__("os").kill(pid, 9)
+        root.kill()
+        root.wait()
+
+
+def test_end_descendants_returns_as_soon_as_everything_ended():
+    root = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                             "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+                             "print(p.pid, flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(root.stdout.readline())
+        t0 = time.monotonic()
+        assert g.end_descendants(30.0, root=root.pid) == [child]
+        assert time.monotonic() - t0 < 5
+    finally:
+        root.kill()
+        root.wait()

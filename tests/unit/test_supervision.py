@@ -534,3 +534,54 @@ async def test_a_rejoin_within_the_bound_is_ridden_out(monkeypatch):
     assert await answered(mem, "back")
     os.kill(os.getpid(), signal.SIGTERM)
     assert await asyncio.wait_for(run.task, 10) == 0
+
+
+# `sluice worker`'s own wiring while the engine loads: a load that takes 10 minutes and has started an
+# engine-core stand-in that ignores SIGTERM (vLLM's took 20-30 s to end on it mid-compile).
+_SLOW_LOAD = """
+import subprocess, sys, time
+from tests.unit.harness import CATALOG, Memory
+from worker import engine, service
+
+class SlowLoad:
+    def __init__(self, settings):
+        core = subprocess.Popen([sys.executable, "-c", "import os, signal, time; "
+                                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(os.getpid(), flush=True); "
+                                 "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+        print("core", core.stdout.readline().strip(), flush=True)
+        time.sleep(600)
+
+engine.VllmEngine = SlowLoad
+mem = Memory(metrics_port=0)
+assert mem.settings.engine.engine_kind == "vllm"
+sys.exit(service.run_loop(service.run_worker(mem.settings, CATALOG, None, on_stopping=service.exit_after,
+                                             **mem.clients())))
+"""
+
+
+def test_sigterm_while_the_engine_loads_ends_its_processes_and_exits_0():
+    import subprocess
+    import sys
+
+    from worker import engine_guard
+
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_LOAD], cwd=os.path.dirname(os.path.dirname(
+        os.path.dirname(os.path.abspath(__file__)))), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        while line and not line.startswith("core "):
+            line = proc.stdout.readline()
+        core = int(line.split()[1])
+        started = engine_guard.start_time(core)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+        assert proc.returncode == 0, out
+        assert "stopped_while_loading" in out, out
+        # SIGTERM to the engine's processes, SIGKILL after the grace for what ignored it: not the load's 10 minutes
+        assert service.LOADING_STOP_S <= took < service.LOADING_STOP_S + 5, took
+        assert not engine_guard.running(core, started)
+    finally:
+        proc.kill()
+        proc.wait()
