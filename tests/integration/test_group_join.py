@@ -79,3 +79,36 @@ async def test_a_rejoin_held_by_a_broker_that_stops_mid_rebalance_fails_the_work
             proc.kill()
         proc.wait()
         await abandon_join(joiner, joining)
+
+
+async def test_a_rebalance_that_completes_stops_the_rejoin_clock(settings, catalog, model_dir, tmp_path):
+    """The control on the real broker: the worker's partitions are revoked as a second member joins,
+    and assigned again as the rebalance completes, which must stop the rejoin's clock. Were the
+    assignment not seen (a Kafka client that does not call the listener after every rejoin), every
+    ordinary rebalance would end the worker once the bound had passed."""
+    from loadgen.burst import produce
+
+    proc, port, group = await start_worker(catalog, model_dir, tmp_path, SLUICE_ENGINE_KIND="fake",
+                                           SLUICE_GROUP_JOIN_S="8")
+    joiner = AIOKafkaConsumer(catalog.request_topic("batch").name, **settings.kafka.options(), group_id=group)
+    try:
+        await joiner.start()  # returns once the rebalance has completed and the joiner has its partitions
+        assert joiner.assignment(), "the joiner took no partition: no rebalance to ride out"
+        end = time.monotonic() + 20  # past the bound, twice over
+        while time.monotonic() < end:
+            code, body = http_get(port, "/readyz")
+            assert code == 200 and proc.poll() is None, body
+            await asyncio.sleep(0.5)
+        assert '"out_of_group_s": 0.0' in body, body
+        # and it still answers: the standard class's partitions came back to it
+        await produce(settings.kafka.options(), [(catalog.request_topic("standard").name, b"k",
+                                                  b'{"id": "after-rebalance", "prompt": "x", "max_tokens": 2}', [])])
+        end = time.monotonic() + 20
+        while not any("request_answered" in line and "after-rebalance" in line
+                      for line in (tmp_path / "worker.log").read_text().splitlines()):
+            assert time.monotonic() < end, "the request after the rebalance was not answered"
+            await asyncio.sleep(0.2)
+    finally:
+        await joiner.stop()
+        proc.kill()
+        proc.wait()
