@@ -436,4 +436,9 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         self._llm.shutdown()
-        self._guard.close()
+        killed = self._guard.close()
+        if killed:
+            import structlog
+
+            structlog.get_logger("sluice.engine").warning(
+                "engine_processes_killed", pids=killed, note="still running after the engine's shutdown")

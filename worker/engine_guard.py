@@ -21,6 +21,7 @@ from pathlib import Path
 PROC = Path("/proc")
 STAND_DOWN = b"stand-down"  # the last line of a clean shutdown
 KILLED_WAIT_S = 1.0  # how long `end_descendants` waits for what it SIGKILLed to go
+CLOSE_WAIT_S = 2.0  # how long the engine's processes may outlast its shutdown before they are killed
 
 
 def stat_fields(pid: int, proc: Path = PROC) -> list[str] | None:
@@ -74,6 +75,7 @@ class EngineGuard:
 
     def __init__(self):
         self._before: set[int] = set()
+        self._watched: dict[int, int] = {}  # pid -> start time
         self._proc: subprocess.Popen | None = None
 
     def before(self) -> None:
@@ -81,8 +83,9 @@ class EngineGuard:
 
     def watch(self) -> list[int]:
         """Hand the processes started since `before()` to a guard; returns their pids."""
-        new = [p for p in descendants(parents(), os.getpid()) if p not in self._before]
-        lines = "".join(f"{p} {t}\n" for p in new if (t := start_time(p)) is not None)
+        new = [p for p in descendants(parents(), os.getpid()) if p not in self._before and not ends_by_itself(p)]
+        self._watched = {p: t for p in new if (t := start_time(p)) is not None}
+        lines = "".join(f"{p} {t}\n" for p, t in self._watched.items())
         if not lines:
             return []
         self._proc = subprocess.Popen([sys.executable, "-m", "worker.engine_guard"], stdin=subprocess.PIPE,
@@ -91,16 +94,29 @@ class EngineGuard:
         self._proc.stdin.flush()
         return new
 
-    def close(self) -> None:
-        """After a clean engine shutdown: the guard stands down without killing anything.
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> list[int]:
+        """After the engine's shutdown: what it started should have ended with it. Whatever is still
+        running after `wait_s` is killed: an engine core that vLLM took for dead and so never stopped
+        (it does when the forkserver that started it dies: the core's exit status can no longer be
+        read, and it kept running, 3 GB of memory, after its worker had exited). Then the guard stands
+        down. Returns the pids killed.
 
-        (What is left, such as multiprocessing's resource tracker, ends with this process as usual.)
+        (Python's resource tracker is not watched: it ends with this process as usual.)
         """
+        deadline = time.monotonic() + wait_s
+        while self._left() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        killed = kill_survivors(f"{p} {t}" for p, t in self._left())
+        self._watched = {}
         if self._proc is not None:
             self._proc.stdin.write(STAND_DOWN + b"\n")
             self._proc.stdin.close()
             self._proc.wait(timeout=10)
             self._proc = None
+        return killed
+
+    def _left(self) -> list[tuple[int, int]]:
+        return [(p, t) for p, t in self._watched.items() if running(p, t)]
 
 
 def ends_by_itself(pid: int, proc: Path = PROC) -> bool:

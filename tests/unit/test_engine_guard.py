@@ -76,22 +76,44 @@ def test_a_sigkilled_owner_takes_its_engine_processes_with_it():
     assert not g.running(watched[0], started)
 
 
-def test_a_clean_close_kills_nothing():
+TRACKER = "# multiprocessing.resource_tracker\nimport time; time.sleep(120)"  # named as Python's resource tracker
+
+
+def test_a_close_kills_only_what_outlived_the_engine_shutdown():
+    guard = g.EngineGuard()
+    guard.before()
+    ended = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])  # ends with the engine
+    left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # vLLM took it for dead
+    tracker = subprocess.Popen([sys.executable, "-c", TRACKER])
+    try:
+        assert set(guard.watch()) == {ended.pid, left.pid}  # the tracker ends by itself once its owner has gone
+        t0 = time.monotonic()
+        assert guard.close(wait_s=1.0) == [left.pid]
+        assert 1.0 <= time.monotonic() - t0 < 5
+        assert ended.wait(timeout=5) == 0 and left.wait(timeout=5) == -9
+        assert tracker.poll() is None
+    finally:
+        for p in (ended, left, tracker):
+            p.kill()
+            p.wait()
+
+
+def test_a_close_after_a_clean_shutdown_waits_for_nothing():
     guard = g.EngineGuard()
     guard.before()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        assert child.pid in guard.watch()
-        guard.close()  # the engine shut down cleanly; what is left ends with its owner
-        assert child.poll() is None and g.running(child.pid, g.start_time(child.pid))
-    finally:
-        child.kill()
+    assert guard.watch() == [child.pid]
+    child.kill()
+    child.wait()  # the engine's shutdown ended it
+    t0 = time.monotonic()
+    assert guard.close(wait_s=30) == []
+    assert time.monotonic() - t0 < 1
 
 
 # A stand-in for what a loading engine leaves under the worker: a child that ends on SIGTERM with a
 # grandchild that ignores it (orphaned once its parent has gone), and Python's resource tracker.
-IGNORES_TERM = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(os.getpid(), flush=True); "
-                "time.sleep(120)")
+IGNORES_TERM = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print(os.getpid(), flush=True); time.sleep(120)")
 TREE = f"""
 import subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", '''
@@ -100,7 +122,7 @@ grandchild = subprocess.Popen([sys.executable, "-c", {IGNORES_TERM!r}], stdout=s
 print(grandchild.stdout.readline().strip(), flush=True)  # once it ignores SIGTERM
 time.sleep(120)
 '''], stdout=subprocess.PIPE, text=True)
-tracker = subprocess.Popen([sys.executable, "-c", "# multiprocessing.resource_tracker\\nimport time; time.sleep(120)"])
+tracker = subprocess.Popen([sys.executable, "-c", {TRACKER!r}])
 print(child.pid, child.stdout.readline().strip(), tracker.pid, flush=True)
 time.sleep(120)
 """
