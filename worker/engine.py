@@ -304,16 +304,20 @@ class VllmEngine:
         if inprocess_env is not None:
             _run_model_in_engine_core(vllm_config, inprocess_env)
         self._guard = EngineGuard()
-        self._guard.before()
+        self._guard.before()  # from here, a worker killed while the engine loads takes what it started with it
         from vllm.v1.metrics.loggers import PrometheusStatLogger
 
         # vLLM's engine metrics (vllm:*) in the process registry, served on the worker's /metrics;
         # its periodic log lines stay off (disable_log_stats). `_StepLogger` hands each step's tokens
         # to admission "step" (`watch_steps`).
         self._on_step = None
-        self._llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[PrometheusStatLogger, self._step_logger],
-                                              enable_log_requests=args.enable_log_requests,
-                                              disable_log_stats=args.disable_log_stats)
+        try:
+            self._llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[PrometheusStatLogger, self._step_logger],
+                                                  enable_log_requests=args.enable_log_requests,
+                                                  disable_log_stats=args.disable_log_stats)
+        except BaseException:
+            self._guard.close()  # whatever the failed start left running is ended
+            raise
         self._guard.watch()  # a SIGKILLed worker must not leave the engine processes running
         self._tokenizer = self._llm.get_tokenizer()
         check_chat_template(self._tokenizer)

@@ -2,19 +2,21 @@
 
 vLLM runs the engine core and its model runner in child processes. When the worker is killed
 with SIGKILL (OOM killer, `kill -9`, a chaos test) they are re-parented and keep running, and
-their polling loops eat CPU that the next worker on the machine needs. So after the engine
+their polling loops eat CPU that the next worker on the machine needs. So before the engine
 starts, a small guard process (`python -m worker.engine_guard`, in its own session so a
-terminal's Ctrl-C leaves it alone) is told the engine's pids and start times over a pipe. It
-holds nothing else: when the pipe closes without a clean stand-down, because the worker died, it
-kills those processes that are still the same processes (pid and start time) and exits.
+terminal's Ctrl-C leaves it alone) is started, and told over a pipe the pids and start times of
+the processes the engine starts, as they appear while it loads (a worker is likeliest to be
+OOM-killed while it loads: before, one killed then left a 3 GB engine core running) and once it
+is up. It holds nothing else: when the pipe closes without a clean stand-down, because the worker
+died, it kills those processes that are still the same processes (pid and start time) and exits.
 """
-
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +24,7 @@ PROC = Path("/proc")
 STAND_DOWN = b"stand-down"  # the last line of a clean shutdown
 KILLED_WAIT_S = 1.0  # how long `end_descendants` waits for what it SIGKILLed to go
 CLOSE_WAIT_S = 2.0  # how long the engine's processes may outlast its shutdown before they are killed
+FOLLOW_S = 0.25  # how often the processes under a loading engine are looked for
 
 
 def stat_fields(pid: int, proc: Path = PROC) -> list[str] | None:
@@ -75,24 +78,41 @@ class EngineGuard:
 
     def __init__(self):
         self._before: set[int] = set()
-        self._watched: dict[int, int] = {}  # pid -> start time
+        self._watched: dict[int, int] = {}  # pid -> start time, each told to the guard
         self._proc: subprocess.Popen | None = None
+        self._loaded = threading.Event()
+        self._follower: threading.Thread | None = None
 
     def before(self) -> None:
+        """Start the guard, then tell it of every process started below this one from now on."""
         self._before = set(descendants(parents(), os.getpid()))
-
-    def watch(self) -> list[int]:
-        """Hand the processes started since `before()` to a guard; returns their pids."""
-        new = [p for p in descendants(parents(), os.getpid()) if p not in self._before and not ends_by_itself(p)]
-        self._watched = {p: t for p in new if (t := start_time(p)) is not None}
-        lines = "".join(f"{p} {t}\n" for p, t in self._watched.items())
-        if not lines:
-            return []
         self._proc = subprocess.Popen([sys.executable, "-m", "worker.engine_guard"], stdin=subprocess.PIPE,
                                       start_new_session=True, close_fds=True)
-        self._proc.stdin.write(lines.encode())
-        self._proc.stdin.flush()
-        return new
+        self._follower = threading.Thread(target=self._follow, name="engine-guard-follow", daemon=True)
+        self._follower.start()
+
+    def _follow(self) -> None:
+        while not self._loaded.wait(FOLLOW_S):
+            self._tell_new()
+
+    def _tell_new(self) -> None:
+        guard = self._proc.pid if self._proc else None
+        for pid in descendants(parents(), os.getpid()):
+            if pid in self._before or pid in self._watched or pid == guard or ends_by_itself(pid):
+                continue
+            started = start_time(pid)
+            if started is not None and self._proc is not None:
+                self._watched[pid] = started
+                self._proc.stdin.write(f"{pid} {started}\n".encode())
+                self._proc.stdin.flush()
+
+    def watch(self) -> list[int]:
+        """Once the engine is up: the last of its processes told to the guard; returns every watched pid."""
+        self._loaded.set()
+        if self._follower is not None:
+            self._follower.join()
+        self._tell_new()
+        return list(self._watched)
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> list[int]:
         """After the engine's shutdown: what it started should have ended with it. Whatever is still
@@ -103,6 +123,10 @@ class EngineGuard:
 
         (Python's resource tracker is not watched: it ends with this process as usual.)
         """
+        self._loaded.set()  # an engine that failed to start was never watched
+        if self._follower is not None:
+            self._follower.join()
+            self._follower = None
         deadline = time.monotonic() + wait_s
         while self._left() and time.monotonic() < deadline:
             time.sleep(0.05)

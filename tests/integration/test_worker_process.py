@@ -141,24 +141,44 @@ async def test_stalled_engine_fails_the_worker_closed(settings, catalog, model_d
     assert '"worker_failed"' in worker_log and '"worker_exiting"' in worker_log
 
 
-async def test_sigterm_while_the_engine_loads_exits_at_once_and_leaves_no_engine(catalog, model_dir, tmp_path):
-    """Before, the worker finished loading and compiling (about a minute here) before it acted on a
-    SIGTERM sent meanwhile, and Ctrl-C at a terminal did nothing for as long."""
+async def _loading_engine(proc, log) -> dict[int, int]:
+    """Once a starting worker's engine core exists, and before the engine is ready: {pid: start time} of
+    every process under the worker (engine core, forkserver, guards)."""
     import re
 
     from worker import engine_guard
+
+    end = time.monotonic() + 120
+    while not (core := re.search(r"\(EngineCore pid=(\d+)\)", log.read_text(errors="replace"))):
+        assert proc.poll() is None and time.monotonic() < end, log.read_text()[-2000:]
+        await asyncio.sleep(0.2)
+    pids = {int(core.group(1))} | set(engine_guard.descendants(engine_guard.parents(), proc.pid))
+    assert "engine_ready" not in log.read_text()  # still loading
+    return {p: t for p in pids if (t := engine_guard.start_time(p))}
+
+
+async def _none_left(started: dict[int, int], within_s: float) -> list[int]:
+    """The processes of `started` still running after `within_s` (Python's resource tracker aside: it
+    ends by itself once the worker has gone)."""
+    from worker import engine_guard
+
+    left = lambda: [p for p, t in started.items() if engine_guard.running(p, t)  # noqa: E731
+                    and not engine_guard.ends_by_itself(p)]
+    end = time.monotonic() + within_s
+    while left() and time.monotonic() < end:
+        await asyncio.sleep(0.2)
+    return left()
+
+
+async def test_sigterm_while_the_engine_loads_exits_at_once_and_leaves_no_engine(catalog, model_dir, tmp_path):
+    """Before, the worker finished loading and compiling (about a minute here) before it acted on a
+    SIGTERM sent meanwhile, and Ctrl-C at a terminal did nothing for as long."""
     from worker.service import LOADING_STOP_S
 
     proc, _, _ = spawn_worker(catalog, model_dir, tmp_path)
     log = tmp_path / "worker.log"
     try:
-        end = time.monotonic() + 120
-        while not (core := re.search(r"\(EngineCore pid=(\d+)\)", log.read_text(errors="replace"))):
-            assert proc.poll() is None and time.monotonic() < end, log.read_text()[-2000:]
-            await asyncio.sleep(0.2)
-        engine_pids = {int(core.group(1))} | set(engine_guard.descendants(engine_guard.parents(), proc.pid))
-        started = {p: engine_guard.start_time(p) for p in engine_pids}
-        assert "engine_ready" not in log.read_text()  # still loading
+        started = await _loading_engine(proc, log)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         rc = await asyncio.to_thread(proc.wait, LOADING_STOP_S + 15)
@@ -167,13 +187,23 @@ async def test_sigterm_while_the_engine_loads_exits_at_once_and_leaves_no_engine
         assert rc == 0 and time.monotonic() - t0 < LOADING_STOP_S + 5
         text = log.read_text(errors="replace")
         assert "stopped_while_loading" in text and "engine_ready" not in text, text[-2000:]
-        # nothing of the engine is left running (Python's resource tracker ends by itself once the worker has gone)
-        end = time.monotonic() + 10
-        left = lambda: [p for p, t in started.items() if t and engine_guard.running(p, t)  # noqa: E731
-                        and not engine_guard.ends_by_itself(p)]
-        while left() and time.monotonic() < end:
-            await asyncio.sleep(0.2)
-        assert not left(), left()
+        assert not await _none_left(started, within_s=10)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_a_worker_sigkilled_while_the_engine_loads_leaves_no_engine(catalog, model_dir, tmp_path):
+    """The OOM killer's case: a worker is likeliest to be killed while it loads. Before, the guard
+    that ends a dead worker's engine was started only once the engine was up, and a worker killed
+    while it loaded left its engine core (3 GB), forkserver and resource tracker running for good."""
+    proc, _, _ = spawn_worker(catalog, model_dir, tmp_path)
+    try:
+        started = await _loading_engine(proc, tmp_path / "worker.log")
+        await asyncio.sleep(1)  # the guard looks for new processes every 0.25 s
+        proc.kill()
+        proc.wait()
+        assert not await _none_left(started, within_s=15)
     finally:
         proc.kill()
         proc.wait()

@@ -79,6 +79,33 @@ def test_a_sigkilled_owner_takes_its_engine_processes_with_it():
 TRACKER = "# multiprocessing.resource_tracker\nimport time; time.sleep(120)"  # named as Python's resource tracker
 
 
+LOADING_OWNER = """
+import subprocess, sys, time
+from worker.engine_guard import EngineGuard
+guard = EngineGuard()
+guard.before()
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(engine.pid, flush=True)
+time.sleep(120)  # still loading: watch() is never reached
+"""
+
+
+def test_an_owner_sigkilled_while_its_engine_loads_takes_the_engine_with_it():
+    owner = subprocess.Popen([sys.executable, "-c", LOADING_OWNER], stdout=subprocess.PIPE, text=True)
+    engine = int(owner.stdout.readline())
+    started = g.start_time(engine)
+    time.sleep(4 * g.FOLLOW_S)  # the guard has been told of it
+    owner.kill()
+    owner.wait()
+    end = time.monotonic() + 10
+    while g.running(engine, started) and time.monotonic() < end:
+        time.sleep(0.1)
+    alive = g.running(engine, started)
+    if alive:
+        __import__("os").kill(engine, 9)
+    assert not alive, "the engine outlived its owner, killed while the engine loaded"
+
+
 def test_a_close_kills_only_what_outlived_the_engine_shutdown():
     guard = g.EngineGuard()
     guard.before()
