@@ -149,7 +149,14 @@ async def run_worker(settings: Settings, catalog: Catalog, engine=None, on_stopp
             from worker.engine import VllmEngine
 
             log.info("engine_loading", model=settings.engine.model, device=settings.engine.device)
-            engine = await _loaded_unless_stopped(lambda: VllmEngine(settings), stop)
+            try:
+                engine = await _loaded_unless_stopped(lambda: VllmEngine(settings), stop)
+            except DeviceUnavailable:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a model that does not load, an engine core that died loading
+                log.exception("engine_load_failed", model=settings.engine.model, error=repr(exc))
+                print(f"sluice: the engine could not load {settings.engine.model}: {exc!r}", file=sys.stderr)
+                return 1
             log.info("engine_ready", **engine.resolved)
             if settings.engine.ignore_eos:
                 log.warning("ignore_eos", note="benchmark setting: every request runs to max_tokens (SLUICE_IGNORE_EOS)")

@@ -585,3 +585,19 @@ def test_sigterm_while_the_engine_loads_ends_its_processes_and_exits_0():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_an_engine_that_fails_to_load_ends_the_worker_with_one_clear_line():
+    import subprocess
+    import sys
+
+    script = _SLOW_LOAD.replace('        print("core", core.stdout.readline().strip(), flush=True)\n        time.sleep(600)',
+                                '        core.kill()\n        raise RuntimeError("Engine core initialization failed: '
+                                '{\'EngineCore\': -9}")')
+    assert script != _SLOW_LOAD
+    proc = subprocess.run([sys.executable, "-c", script], cwd=os.path.dirname(os.path.dirname(
+        os.path.dirname(os.path.abspath(__file__)))), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    # logged with its traceback; not an uncaught exception's traceback on stderr
+    assert "engine_load_failed" in proc.stdout and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert "sluice: the engine could not load" in proc.stderr and "EngineCore" in proc.stderr, proc.stderr
