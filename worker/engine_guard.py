@@ -10,6 +10,7 @@ OOM-killed while it loads: before, one killed then left a 3 GB engine core runni
 is up. It holds nothing else: when the pipe closes without a clean stand-down, because the worker
 died, it kills those processes that are still the same processes (pid and start time) and exits.
 """
+
 from __future__ import annotations
 
 import os

@@ -78,7 +78,8 @@ async def _loaded_unless_stopped(load, stop: asyncio.Event):
     return loading.result()
 
 
-def abandon_loading(exit=os._exit) -> None:
+def abandon_loading() -> None:
+    """End the processes under this one (SIGTERM, SIGKILL after LOADING_STOP_S), then exit 0."""
     from worker.engine_guard import end_descendants
 
     ended = end_descendants(LOADING_STOP_S)
@@ -87,7 +88,7 @@ def abandon_loading(exit=os._exit) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
-        exit(0)  # not a return: the loading thread cannot be joined, and the interpreter would wait for it
+        os._exit(0)  # not a return: the loading thread cannot be joined, and the interpreter would wait for it
 
 
 async def _started_unless_stopped(worker: Worker, stop: asyncio.Event, on_stopping=None) -> bool:
