@@ -126,7 +126,17 @@ async def run_worker(settings: Settings, catalog: Catalog, engine=None, on_stopp
         return worker.health()
 
     ops = OpsServer(settings.ops.metrics_host, settings.ops.metrics_port, status)
-    await ops.start()
+    try:
+        await ops.start()
+    except OSError as exc:  # another process on the port, a host name this machine does not have
+        await ops.stop()
+        where = f"{settings.ops.metrics_host}:{settings.ops.metrics_port}"
+        log.error("startup_refused", error=f"the ops server cannot listen on {where}: {exc.strerror or exc}")
+        print(f"sluice: the ops server (/readyz, /metrics) cannot listen on {where} (SLUICE_METRICS_HOST, "
+              f"SLUICE_METRICS_PORT): {exc.strerror or exc}", file=sys.stderr)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        return 1
     try:
         if not clients:  # the real clients: check their settings before minutes of engine loading
             if engine is None and settings.engine.engine_kind == "vllm":

@@ -601,3 +601,20 @@ def test_an_engine_that_fails_to_load_ends_the_worker_with_one_clear_line():
     # logged with its traceback; not an uncaught exception's traceback on stderr
     assert "engine_load_failed" in proc.stdout and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     assert "sluice: the engine could not load" in proc.stderr and "EngineCore" in proc.stderr, proc.stderr
+
+
+async def test_an_ops_port_in_use_refuses_the_start_with_one_clear_line(capsys):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        mem = Memory(metrics_port=port, metrics_host="127.0.0.1")
+        assert await service.run_worker(mem.settings, CATALOG, mem.engine, **mem.clients()) == 1
+    finally:
+        taken.close()
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "SLUICE_METRICS_PORT" in err, err
+    assert "Traceback" not in err
