@@ -5,13 +5,16 @@ once with a message naming it, instead of a worker that looks healthy and serves
 - Redis must accept the credentials and allow the commands sluice runs. Redis that cannot be reached
   is not fatal (the worker serves degraded, as after a later outage); Redis that refuses the
   credentials is, since waiting will not fix it;
-- the Kafka bootstrap must accept the TLS and SASL settings.
+- the Kafka bootstrap must accept the TLS and SASL settings;
+- a model named by a local path must be a model directory there (a Hugging Face repository id is
+  left to vLLM).
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from pathlib import Path
 
 from worker import sealing, topic_metadata
 from worker.tenancy import Tenancy, TenancyError
@@ -162,7 +165,27 @@ async def check_kafka(kafka_settings, topics=(), timeout_s: float = 15.0) -> Non
             pass
 
 
+def check_model(model: str) -> None:
+    """For a local path that is not there, vLLM's start-up ends in "Repo id must be in the form
+    'repo_name' or 'namespace/repo_name'", which names neither the setting nor the fix."""
+    path = Path(model).expanduser()
+    local = model.startswith(("/", ".", "~")) or model.count("/") > 1 or path.exists()
+    if not local:
+        return  # `namespace/name`: a repository id
+    if path.is_file() and path.suffix == ".gguf":
+        return  # vLLM loads a single GGUF file too
+    if not path.exists():
+        raise StartupError(f"SLUICE_MODEL={model}: no such directory (`sluice model prepare` writes the bundled "
+                           f"model to .sluice/models/smollm2-135m-instruct)")
+    if not path.is_dir():
+        raise StartupError(f"SLUICE_MODEL={model}: not a model directory (a file, and not a .gguf one)")
+    if not (path / "config.json").is_file():
+        raise StartupError(f"SLUICE_MODEL={model}: not a model directory (no config.json in it)")
+
+
 async def check(settings, catalog) -> dict:
     check_files(settings, catalog.replies.name)
+    if settings.engine.engine_kind == "vllm":
+        check_model(settings.engine.model)
     await check_kafka(settings.kafka, [t.name for t in catalog.serving(settings.worker.classes.split(",")).topic])
     return {"redis": await check_redis(settings.redis)}
