@@ -107,6 +107,20 @@ async def _started_unless_stopped(worker: Worker, stop: asyncio.Event, on_stoppi
     return True
 
 
+async def _listening(ops: OpsServer, settings: Settings) -> bool:
+    """Start the ops server; False, said in one line, when it cannot listen (another process on the port,
+    a host name this machine does not have)."""
+    try:
+        await ops.start()
+        return True
+    except OSError as exc:
+        where = f"{settings.ops.metrics_host}:{settings.ops.metrics_port}"
+        log.error("startup_refused", error=f"the ops server cannot listen on {where}: {exc.strerror or exc}")
+        print(f"sluice: the ops server (/readyz, /metrics) cannot listen on {where} (SLUICE_METRICS_HOST, "
+              f"SLUICE_METRICS_PORT): {exc.strerror or exc}", file=sys.stderr)
+        return False
+
+
 async def run_worker(settings: Settings, catalog: Catalog, engine=None, on_stopping=None, **clients) -> int:
     """The worker process: ops server, engine, worker; returns the exit code (0 drained, 1 failed).
 
@@ -127,17 +141,8 @@ async def run_worker(settings: Settings, catalog: Catalog, engine=None, on_stopp
 
     ops = OpsServer(settings.ops.metrics_host, settings.ops.metrics_port, status)
     try:
-        await ops.start()
-    except OSError as exc:  # another process on the port, a host name this machine does not have
-        await ops.stop()
-        where = f"{settings.ops.metrics_host}:{settings.ops.metrics_port}"
-        log.error("startup_refused", error=f"the ops server cannot listen on {where}: {exc.strerror or exc}")
-        print(f"sluice: the ops server (/readyz, /metrics) cannot listen on {where} (SLUICE_METRICS_HOST, "
-              f"SLUICE_METRICS_PORT): {exc.strerror or exc}", file=sys.stderr)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-        return 1
-    try:
+        if not await _listening(ops, settings):
+            return 1
         if not clients:  # the real clients: check their settings before minutes of engine loading
             if engine is None and settings.engine.engine_kind == "vllm":
                 from worker.engine import detect_device
