@@ -166,7 +166,7 @@ def end_descendants(grace_s: float, proc: Path = PROC, kill=os.kill, clock=time.
     signalled: dict[int, int] = {}  # pid -> start time: the same process, not a later one with its pid
     while True:
         below = [p for p in descendants(parents(proc), root) if not ends_by_itself(p, proc)]
-        alive = {p: t for p in below if (f := stat_fields(p, proc)) and f[0] != "Z" and (t := int(f[19]))}
+        alive = {p: t for p in below if (t := start_time(p, proc)) is not None and running(p, t, proc)}
         alive.update((p, t) for p, t in signalled.items() if running(p, t, proc))
         if not alive:
             return sorted(signalled)
