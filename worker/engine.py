@@ -303,8 +303,8 @@ class VllmEngine:
             vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)
         if inprocess_env is not None:
             _run_model_in_engine_core(vllm_config, inprocess_env)
-        self._guard = EngineGuard()
-        self._guard.before()  # from here, a worker killed while the engine loads takes what it started with it
+        self.guard = EngineGuard()
+        self.guard.before()  # from here, a worker killed while the engine loads takes what it started with it
         from vllm.v1.metrics.loggers import PrometheusStatLogger
 
         # vLLM's engine metrics (vllm:*) in the process registry, served on the worker's /metrics;
@@ -316,9 +316,9 @@ class VllmEngine:
                                                   enable_log_requests=args.enable_log_requests,
                                                   disable_log_stats=args.disable_log_stats)
         except BaseException:
-            self._guard.close()  # whatever the failed start left running is ended
+            self.guard.close()  # whatever the failed start left running is ended
             raise
-        self._guard.watch()  # a SIGKILLed worker must not leave the engine processes running
+        self.guard.watch()  # a SIGKILLed worker must not leave the engine processes running
         self._tokenizer = self._llm.get_tokenizer()
         check_chat_template(self._tokenizer)
         self.tokenizer_id = tokenizer_fingerprint(self._tokenizer)
@@ -440,7 +440,7 @@ class VllmEngine:
 
     def shutdown(self) -> None:
         self._llm.shutdown()
-        killed = self._guard.close()
+        killed = self.guard.close()
         if killed:
             import structlog
 

@@ -75,37 +75,68 @@ def descendants(parent_of: dict[int, int], root: int) -> list[int]:
 
 
 class EngineGuard:
-    """Started around engine creation: `before()`, create the engine, `watch()`; `close()` after shutdown."""
+    """Started around engine creation: `before()`, create the engine, `watch()`; `close()` after shutdown.
+    A guard process that dies before `close()` (the OOM killer, a stray `kill`) is started again by
+    `revive()`, and told every process watched so far: while the engine loads the follower thread
+    revives it, once the engine is up the worker's guard watch (`worker/supervisor.py`)."""
 
     def __init__(self):
         self._before: set[int] = set()
         self._watched: dict[int, int] = {}  # pid -> start time, each told to the guard
         self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()  # the follower thread and the event loop both write to the guard
         self._loaded = threading.Event()
         self._follower: threading.Thread | None = None
 
     def before(self) -> None:
         """Start the guard, then tell it of every process started below this one from now on."""
         self._before = set(descendants(parents(), os.getpid()))
-        self._proc = subprocess.Popen([sys.executable, "-m", "worker.engine_guard"], stdin=subprocess.PIPE,
-                                      start_new_session=True, close_fds=True)
+        self._spawn()
         self._follower = threading.Thread(target=self._follow, name="engine-guard-follow", daemon=True)
         self._follower.start()
 
+    def _spawn(self) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-m", "worker.engine_guard"], stdin=subprocess.PIPE,
+                                      start_new_session=True, close_fds=True)
+        self._write("".join(f"{p} {t}\n" for p, t in self._watched.items()))
+
+    def _write(self, text: str) -> None:
+        try:
+            self._proc.stdin.write(text.encode())
+            self._proc.stdin.flush()
+        except OSError:  # the guard died: `revive()` starts another and tells it everything
+            pass
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def revive(self) -> int | None:
+        """Start the guard again if it has died before `close()`; returns the new guard's pid."""
+        with self._lock:
+            if self._proc is None or self._proc.poll() is None:
+                return None
+            died = self._proc.returncode
+            self._spawn()
+            pid = self._proc.pid
+        guard_restarted("engine", died, pid)
+        return pid
+
     def _follow(self) -> None:
         while not self._loaded.wait(FOLLOW_S):
+            self.revive()
             self._tell_new()
 
     def _tell_new(self) -> None:
-        guard = self._proc.pid if self._proc else None
-        for pid in descendants(parents(), os.getpid()):
-            if pid in self._before or pid in self._watched or pid == guard or ends_by_itself(pid):
-                continue
-            started = start_time(pid)
-            if started is not None and self._proc is not None:
-                self._watched[pid] = started
-                self._proc.stdin.write(f"{pid} {started}\n".encode())
-                self._proc.stdin.flush()
+        with self._lock:
+            guard = self._proc.pid if self._proc else None
+            for pid in descendants(parents(), os.getpid()):
+                if pid in self._before or pid in self._watched or pid == guard or ends_by_itself(pid):
+                    continue
+                started = start_time(pid)
+                if started is not None and self._proc is not None:
+                    self._watched[pid] = started
+                    self._write(f"{pid} {started}\n")
 
     def watch(self) -> list[int]:
         """Once the engine is up: the last of its processes told to the guard; returns every watched pid."""
@@ -133,15 +164,32 @@ class EngineGuard:
             time.sleep(0.05)
         killed = kill_survivors(f"{p} {t}" for p, t in self._left())
         self._watched = {}
-        if self._proc is not None:
-            self._proc.stdin.write(STAND_DOWN + b"\n")
-            self._proc.stdin.close()
-            self._proc.wait(timeout=10)
-            self._proc = None
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is not None:
+            try:
+                proc.stdin.write(STAND_DOWN + b"\n")
+                proc.stdin.close()
+                proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):  # a guard that died meanwhile has nothing to stand down
+                proc.kill()
         return killed
 
     def _left(self) -> list[tuple[int, int]]:
         return [(p, t) for p, t in self._watched.items() if running(p, t)]
+
+
+def guard_restarted(guard: str, returncode: int, pid: int) -> None:
+    """Logged and counted by whichever guard was started again (imported here: the guard processes
+    themselves need neither)."""
+    import structlog
+
+    from worker import metrics
+
+    metrics.guard_restarts.labels(guard).inc()
+    structlog.get_logger("sluice.guards").warning(
+        "guard_restarted", guard=guard, died_with=returncode, pid=pid,
+        note="a worker killed while its guard was down would not have been covered")
 
 
 def ends_by_itself(pid: int, proc: Path = PROC) -> bool:

@@ -30,6 +30,7 @@ from datetime import datetime, timezone
 
 import msgspec
 
+from worker.engine_guard import guard_restarted
 from worker.settings import KafkaSettings
 
 STAND_DOWN = "stand-down"
@@ -64,17 +65,28 @@ async def leave_group(kafka_options: dict, group_id: str, member_id: str, timeou
 
 class GroupGuard:
     """Started once the worker's consumer exists; `joined()` after each assignment; `close()` after
-    the consumer has stopped (it left the group itself)."""
+    the consumer has stopped (it left the group itself). A guard that dies while the worker runs
+    (the OOM killer, a stray `kill`) is started again by `revive()`, told the same settings and the
+    last member id."""
 
     def __init__(self):
         self._proc: subprocess.Popen | None = None
+        self._first = ""
+        self._member = ""
+        self._stderr = None
 
     def start(self, kafka: KafkaSettings, group_id: str, timeout_s: float, stderr=None) -> None:
         """`stderr`: where the guard's one log line goes (the worker's own stderr by default)."""
+        self._first = msgspec.json.encode({"kafka": kafka, "group": group_id, "timeout_s": timeout_s}).decode()
+        self._stderr = stderr
+        self._spawn()
+
+    def _spawn(self) -> None:
         self._proc = subprocess.Popen([sys.executable, "-m", "worker.group_guard"], stdin=subprocess.PIPE,
-                                      stderr=stderr, start_new_session=True, close_fds=True)
-        first = msgspec.json.encode({"kafka": kafka, "group": group_id, "timeout_s": timeout_s})
-        self._send(first.decode())
+                                      stderr=self._stderr, start_new_session=True, close_fds=True)
+        self._send(self._first)
+        if self._member:
+            self._send(MEMBER + self._member)
 
     @property
     def pid(self) -> int | None:
@@ -82,7 +94,17 @@ class GroupGuard:
 
     def joined(self, member_id: str) -> None:
         if member_id:
+            self._member = member_id
             self._send(MEMBER + member_id)
+
+    def revive(self) -> int | None:
+        """Start the guard again if it has died before `close()`; returns the new guard's pid."""
+        if self._proc is None or self._proc.poll() is None:
+            return None
+        died = self._proc.returncode
+        self._spawn()
+        guard_restarted("group", died, self._proc.pid)
+        return self._proc.pid
 
     def _send(self, line: str) -> None:
         if self._proc is None:
@@ -90,8 +112,8 @@ class GroupGuard:
         try:
             self._proc.stdin.write(line.encode() + b"\n")
             self._proc.stdin.flush()
-        except OSError:  # the guard is gone: the session timeout still covers this worker
-            self._proc = None
+        except OSError:  # the guard is gone: `revive()` starts another
+            pass
 
     def close(self) -> None:
         if self._proc is not None:

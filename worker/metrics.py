@@ -151,6 +151,11 @@ resumed = Counter("sluice_requests_resumed_total", "Requests continued from anot
 worker_failures = Counter("sluice_worker_failures_total",
                           "Reasons a worker stopped itself (a stage failed, the engine stalled or died, ...)",
                           ["reason"], registry=REGISTRY)
+guard_restarts = Counter("sluice_guard_restarts_total",
+                         "Guard processes (engine, group) started again after they died while their worker ran",
+                         ["guard"], registry=REGISTRY)
+for _guard in ("engine", "group"):
+    guard_restarts.labels(_guard)  # exported at 0 from the start, so the first restart is an increase
 intake_errors = Counter("sluice_intake_errors_total",
                         "Records whose handling raised unexpectedly (answered `internal`), or fetches that failed",
                         ["class", "kind"], registry=REGISTRY)

@@ -53,6 +53,8 @@ def exit_after(seconds: float, exit=os._exit) -> threading.Timer:
 
 # How long the engine's processes get to end on SIGTERM when the worker is stopped while it loads
 LOADING_STOP_S = 5.0
+# How long start-up checks cancelled by a stop get to close their clients
+CHECKS_STOP_S = 2.0
 
 
 async def _done_unless_stopped(task: asyncio.Future, stop: asyncio.Event) -> bool:
@@ -148,8 +150,15 @@ async def run_worker(settings: Settings, catalog: Catalog, engine=None, on_stopp
                 from worker.engine import detect_device
 
                 detect_device(settings.engine.device)  # the device first: nothing else matters without it
+            checking = asyncio.create_task(preflight.check(settings, catalog))
+            if not await _done_unless_stopped(checking, stop):
+                # a broker that does not answer holds a check up to its timeout (15 s): Ctrl-C does not wait
+                checking.cancel()
+                await asyncio.wait([checking], timeout=CHECKS_STOP_S)
+                log.info("stopped_while_starting", during="start-up checks")
+                return 0
             try:
-                found = await preflight.check(settings, catalog)
+                found = checking.result()
             except preflight.StartupError as exc:
                 log.error("startup_refused", error=str(exc))
                 print(f"sluice: {exc}", file=sys.stderr)

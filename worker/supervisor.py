@@ -100,6 +100,29 @@ async def watch_topics(supervisor: Supervisor, unusable, topics: list[str], inte
                             + " (create them with `sluice topics apply`, or restore the KafkaTopic resources)")
 
 
+
+async def watch_guards(supervisor: Supervisor, guards, interval_s: float = 1.0) -> None:
+    """Start again any guard process (engine, group) that died while the worker runs.
+
+    A guard is the worker's insurance for its own death: the engine guard kills the engine's processes,
+    the group guard takes the worker out of its group. One killed under a running worker (the OOM
+    killer picks large processes, but an operator's `pkill python` picks any) left no trace, and the
+    worker's later death went uncovered. Its loss does not stop the worker serving, so it is restarted
+    (`guard_restarted`, `sluice_guard_restarts_total`), not failed. A restart that cannot be made
+    (no memory to start a process) is tried again each interval.
+    """
+    failing: set[int] = set()
+    while supervisor.failure is None:
+        await asyncio.sleep(interval_s)
+        for i, guard in enumerate(guards):
+            try:
+                guard.revive()
+                failing.discard(i)
+            except OSError as exc:
+                if i not in failing:
+                    log.error("guard_restart_failed", guard=type(guard).__name__, error=repr(exc))
+                failing.add(i)
+
 class Liveness:
     """Time stamps the health monitor reads: engine progress, each intake loop's last poll, and since
     when the worker has been outside its consumer group (None: a member)."""

@@ -40,7 +40,7 @@ from worker.policy import ClassPolicy, Scheduler
 from worker.replies import Replies
 from worker.runner import Runner
 from worker.settings import Settings
-from worker.supervisor import Liveness, Supervisor, monitor, watch_topics
+from worker.supervisor import Liveness, Supervisor, monitor, watch_guards, watch_topics
 from worker.tenancy import Tenancy
 
 log = structlog.get_logger("sluice.worker")
@@ -248,6 +248,8 @@ class Worker:
                                      stall_s=s.health.engine_stall_s, poll_stall_s=s.health.intake_stall_s,
                                      health_interval_s=s.health.engine_health_interval_s, outage_s=s.health.reply_outage_s,
                                      commit_outage_s=s.health.commit_outage_s, group_join_s=s.health.group_join_s))
+        guards = [g for g in (self.group_guard, getattr(self.engine, "guard", None)) if g is not None]
+        sup.spawn("guard-watch", watch_guards(sup, guards))
         sup.spawn("topic-watch", watch_topics(sup, self.emitter.own_topics_unusable,
                                               [t.name for t in self.catalog.topic], s.health.topic_check_interval_s))
         self._started = True

@@ -88,6 +88,38 @@ async def test_a_clean_stop_stands_the_guard_down(settings, catalog, tmp_path):
     assert not still, f"guard processes outlived a clean stop: {still}"
 
 
+
+def _guards_of(pid: int) -> list[str]:
+    return subprocess.run(["pgrep", "-P", str(pid), "-f", "worker.group_guard"], capture_output=True,
+                          text=True).stdout.split()
+
+
+async def test_a_guard_killed_under_a_running_worker_is_started_again_and_still_covers_it(settings, catalog,
+                                                                                         tmp_path):
+    """The guard SIGKILLed while the worker runs (the OOM killer, a stray `pkill`): the worker starts
+    another within seconds, and its own death later still takes it out of the group at once."""
+    proc, survivor, partitions = await _worker_and_survivor(settings, catalog, tmp_path)
+    try:
+        first = _guards_of(proc.pid)
+        assert len(first) == 1, first
+        os.kill(int(first[0]), signal.SIGKILL)
+        end = asyncio.get_running_loop().time() + 10
+        while (now := _guards_of(proc.pid)) in ([], first) and asyncio.get_running_loop().time() < end:
+            await survivor.getmany(timeout_ms=100)
+        assert len(now) == 1 and now != first, (first, now)
+        await asyncio.sleep(1)  # the new guard has read its settings and member id
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        took = await seconds_until_all(survivor, partitions, 60)
+    finally:
+        await survivor.stop()
+    worker_log = (tmp_path / "worker.log").read_text()
+    restarted = [json.loads(line) for line in worker_log.splitlines() if '"guard_restarted"' in line]
+    assert [r["guard"] for r in restarted] == ["group"] and restarted[0]["pid"] == int(now[0]), worker_log[-2000:]
+    left = _guard_lines(worker_log)
+    assert left and '"error_code": 0' in left[-1], worker_log[-2000:]
+    assert took < SESSION_MS / 1000, took
+
 async def test_under_the_images_init_a_killed_worker_still_leaves_its_group(settings, catalog, tmp_path):
     """The image starts `python -m worker.container_init sluice worker`: the worker is the init's
     child, and the init waits for the guard before it exits with the worker's status."""

@@ -188,3 +188,92 @@ def test_end_descendants_returns_as_soon_as_everything_ended():
     finally:
         root.kill()
         root.wait()
+
+
+def _gone(pid: int, started: int, within_s: float = 10) -> bool:
+    end = time.monotonic() + within_s
+    while g.running(pid, started) and time.monotonic() < end:
+        time.sleep(0.1)
+    alive = g.running(pid, started)
+    if alive:
+        __import__("os").kill(pid, 9)
+    return not alive
+
+
+REVIVING_OWNER = """
+import subprocess, sys, time
+from worker.engine_guard import EngineGuard
+guard = EngineGuard()
+guard.before()
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+guard.watch()
+print(engine.pid, guard.pid, flush=True)
+sys.stdin.readline()  # the test has killed the guard
+print("revived", guard.revive(), guard.revive(), flush=True)  # started again once: the second finds it running
+time.sleep(120)
+"""
+
+
+def test_a_guard_killed_under_a_running_engine_is_started_again_and_still_covers_it():
+    owner = subprocess.Popen([sys.executable, "-c", REVIVING_OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        engine, first = (int(x) for x in owner.stdout.readline().split())
+        started = g.start_time(engine)
+        __import__("os").kill(first, 9)
+        time.sleep(0.3)  # the owner reaps it in revive(); killed, it held nothing
+        assert g.running(engine, started)
+        owner.stdin.write("killed\n")
+        owner.stdin.flush()
+        second, again = next(line for line in owner.stdout if line.startswith("revived")).split()[1:]  # after its log line
+        assert second != "None" and int(second) != first and again == "None"
+        owner.kill()  # the worker dies: the new guard ends the engine
+        owner.wait()
+        assert _gone(engine, started), "the engine outlived its owner after its guard was started again"
+    finally:
+        owner.kill()
+
+
+LOADING_GUARD_KILLED = """
+import subprocess, sys, time
+from worker.engine_guard import EngineGuard
+guard = EngineGuard()
+guard.before()
+print(guard.pid, flush=True)
+sys.stdin.readline()  # the test has killed the guard
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print(engine.pid, flush=True)
+time.sleep(120)  # still loading
+"""
+
+
+def test_a_guard_killed_while_the_engine_loads_is_started_again_by_the_follower():
+    owner = subprocess.Popen([sys.executable, "-c", LOADING_GUARD_KILLED], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        __import__("os").kill(int(owner.stdout.readline()), 9)
+        owner.stdin.write("killed\n")
+        owner.stdin.flush()
+        engine = int(owner.stdout.readline())
+        started = g.start_time(engine)
+        time.sleep(6 * g.FOLLOW_S)  # a new guard, told of the engine process
+        owner.kill()
+        owner.wait()
+        assert _gone(engine, started), "the engine outlived its owner, whose guard was killed while it loaded"
+    finally:
+        owner.kill()
+
+
+def test_a_close_after_the_guard_died_still_kills_the_leftovers():
+    guard = g.EngineGuard()
+    guard.before()
+    left = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        guard.watch()
+        __import__("os").kill(guard.pid, 9)
+        time.sleep(0.2)
+        assert guard.close(wait_s=0.2) == [left.pid]
+        assert left.wait(timeout=5) == -9
+    finally:
+        left.kill()
+        left.wait()

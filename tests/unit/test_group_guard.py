@@ -46,3 +46,25 @@ def test_a_closed_pipe_after_a_member_makes_the_guard_try_to_leave():
 def test_a_stand_down_makes_the_guard_exit_without_a_word():
     rc, err, _ = _guard([MEMBER + "m-1", STAND_DOWN])
     assert rc == 0 and err == ""
+
+
+def test_a_guard_that_died_is_started_again_with_the_settings_and_the_last_member(tmp_path):
+    from worker.group_guard import GroupGuard
+
+    log = open(tmp_path / "guard.log", "w+")
+    guard = GroupGuard()
+    guard.start(KafkaSettings(bootstrap="127.0.0.1:9", request_timeout_ms=1000), "g", timeout_s=1.0, stderr=log)
+    guard.joined("m-1")
+    guard.joined("m-2")
+    first = guard.pid
+    assert guard.revive() is None  # running: nothing to do
+    __import__("os").kill(first, 9)
+    end = time.monotonic() + 5
+    while (second := guard.revive()) is None and time.monotonic() < end:
+        time.sleep(0.05)
+    assert second is not None and second != first
+    guard._proc.stdin.close()  # as when the worker dies: the pipe closes without a stand-down
+    guard._proc.wait(timeout=30)
+    log.seek(0)
+    line = json.loads(log.read().strip().splitlines()[-1])
+    assert line["event"] == "group_leave_failed" and line["member_id"] == "m-2" and line["group"] == "g"

@@ -618,3 +618,60 @@ async def test_an_ops_port_in_use_refuses_the_start_with_one_clear_line(capsys):
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and "SLUICE_METRICS_PORT" in err, err
     assert "Traceback" not in err
+
+
+async def test_an_engine_guard_killed_under_a_running_worker_is_started_again(monkeypatch):
+    """The worker's guard watch: a guard process SIGKILLed while the worker serves is started again
+    within seconds and counted; the worker stays ready (it can still do its job)."""
+    import subprocess
+    import sys
+
+    from worker import metrics
+    from worker.engine_guard import EngineGuard
+
+    engine = FakeEngine()
+    engine.guard = EngineGuard()  # as vLLM's engine has one, watching an engine process
+    engine.guard.before()
+    engine_proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    engine.guard.watch()
+    restarts = metrics.guard_restarts.labels("engine")
+    before = restarts._value.get()
+    try:
+        mem = Memory(engine=engine)
+        run = Run(monkeypatch, mem)
+        await run.ready()
+        first = engine.guard.pid
+        os.kill(first, signal.SIGKILL)
+        end = time.monotonic() + 5
+        while engine.guard.pid == first and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        assert engine.guard.pid != first, "the killed guard was not started again"
+        assert restarts._value.get() == before + 1
+        assert (await http_get(run.port, "/readyz"))[0] == 200
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert await asyncio.wait_for(run.task, 10) == 0
+    finally:
+        assert engine.guard.close(wait_s=0) == [engine_proc.pid]  # the stand-in engine process, ended
+        engine_proc.wait()
+
+
+async def test_sigterm_while_the_start_up_checks_wait_on_a_silent_broker_exits_0_at_once(capsys):
+    """A broker that accepts connections and never answers (stopped, a wedged listener) holds the
+    start-up check for its 15 s timeout; a stop meanwhile (a terminal's Ctrl-C) does not wait for it."""
+    import socket
+
+    silent = socket.socket()  # the kernel accepts connections to it; nobody ever answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    try:
+        settings = Memory().settings.override(kafka_bootstrap=f"127.0.0.1:{silent.getsockname()[1]}",
+                                              engine_kind="fake", metrics_port=free_port(), metrics_host="127.0.0.1")
+        task = asyncio.create_task(service.run_worker(settings, CATALOG))
+        await asyncio.sleep(1.5)
+        assert not task.done(), capsys.readouterr().err
+        since = time.monotonic()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert await asyncio.wait_for(task, 10) == 0
+        assert time.monotonic() - since < 3
+    finally:
+        silent.close()
