@@ -112,6 +112,9 @@ async def test_a_guard_killed_under_a_running_worker_is_started_again_and_still_
         proc.wait()
         took = await seconds_until_all(survivor, partitions, 60)
     finally:
+        if proc.poll() is None:  # a failed check must not leave the worker running
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
         await survivor.stop()
     worker_log = (tmp_path / "worker.log").read_text()
     restarted = [json.loads(line) for line in worker_log.splitlines() if '"guard_restarted"' in line]
