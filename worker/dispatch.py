@@ -91,6 +91,7 @@ class Dispatcher:
                 job.slot_released = False
                 task = self.spawn(self.runner.serve(job), cls, job.tp, job.offset, job=job)
                 self.engine_jobs[task] = job
+            admitted = expired = job = task = None  # an idle worker holds no request while it waits
             self._suspend()
             for p in self.scheduler.policies:
                 metrics.waiting.labels(p.name).set(self.scheduler.waiting(p.name))

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections import deque
 
 from schemas import Request
 from worker.engine import Delta, GenParams
 
 
 _TOKEN = re.compile(r"<t(\d+)>|(.)", re.S)
+IDS_KEPT = 10_000  # request ids remembered for tests; a long-running fake worker must not grow without end
 
 
 class FakeEngine:
@@ -25,8 +27,8 @@ class FakeEngine:
         self.max_model_len = max_model_len
         self.token_delay_s = token_delay_s
         self.tokens_per_delta = tokens_per_delta
-        self.started: list[str] = []
-        self.aborted: list[str] = []
+        self.started: deque[str] = deque(maxlen=IDS_KEPT)
+        self.aborted: deque[str] = deque(maxlen=IDS_KEPT)
 
     def prompt_ids(self, request: Request) -> list[int]:
         text = request.prompt if request.prompt is not None else " ".join(m.content for m in request.messages or ())

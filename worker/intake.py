@@ -131,6 +131,9 @@ class Intake:
                     if (job := self.take(topic, tp, record)) is not None]
             if jobs:
                 await self._schedule(cls, jobs, generations, loop)
+            # not held while the next fetch waits: an idle worker would keep its last batch's
+            # records and prompts (up to batch_size x SLUICE_MAX_RECORD_BYTES) alive
+            got = jobs = job = None
 
     def _wanted(self, topic: str, tps: list) -> list:
         """Every partition of the topic: a wait then also returns records of partitions assigned

@@ -88,7 +88,7 @@ async def test_bad_score_requests_get_an_error_naming_the_problem(fields, needle
     await runner.serve(Job(Request(**{**base, **fields}), "standard", 5, "replies", None, 0, 0))
     assert isinstance(out.answer, ErrorReply) and out.answer.code == ErrorCode.INVALID_REQUEST
     assert needle in out.answer.message
-    assert engine.started == []
+    assert not engine.started
 
 
 class RecordingEngine(FakeEngine):

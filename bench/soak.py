@@ -1,0 +1,141 @@
+"""Does a worker's memory stay flat while it answers requests for a long time?
+
+    python bench/soak.py [--rounds 25] [--requests 20000] [--engine fake|vllm]
+
+One `sluice worker` on fresh topics (the fake engine by default: the worker's own memory, not a
+model's). Each round publishes N standard requests (half of them streaming, 4 tokens each), waits
+until the worker's group has committed every one, then reads the worker process's resident memory
+(VmRSS, /proc). Prints MiB per round and the growth over the second half of the rounds per 100,000
+requests (the first rounds fill caches and pools that then stay); writes bench/soak.json and
+bench/soak.png.
+
+A worker that keeps something per request grows without end and is OOM-killed after days: before
+the fake engine's request-id lists were bounded, this measured about 80 bytes per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import msgspec
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import common  # noqa: E402
+from loadgen.burst import produce  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def growth_per_100k(points: list[tuple[int, float]]) -> float:
+    """MiB per 100,000 requests over the second half of the rounds (least squares)."""
+    half = points[len(points) // 2:]
+    if len(half) < 2:
+        return 0.0
+    xs, ys = [p[0] for p in half], [p[1] for p in half]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return 0.0 if var == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var * 100_000
+
+
+async def committed(probe: AIOKafkaConsumer, tps: list[TopicPartition]) -> int:
+    return sum([(await probe.committed(tp)) or 0 for tp in tps])
+
+
+async def soak(args) -> dict:
+    s = common.settings()
+    group = f"soak-{uuid.uuid4().hex[:6]}"
+    procs: list = []
+    env = {"SLUICE_GROUP_ID": group, "SLUICE_CLASSES": "standard", "SLUICE_LOG_LEVEL": "warning"}
+    if args.engine == "fake":
+        env["SLUICE_ENGINE_KIND"] = "fake"
+    points: list[tuple[int, float]] = []
+    async with common.worker_process(s, "soak", HERE / ".soak-worker.log", procs, **env) as cat:
+        pid = procs[0].pid
+        topic = cat.request_topic("standard").name
+        probe = AIOKafkaConsumer(**s.kafka.options(), group_id=group, enable_auto_commit=False)
+        await probe.start()
+        try:
+            tps = [TopicPartition(topic, p) for p in sorted(probe.partitions_for_topic(topic) or ())]
+            if not tps:
+                await probe._client.force_metadata_update()
+                tps = [TopicPartition(topic, p) for p in sorted(probe.partitions_for_topic(topic) or ())]
+            points.append((0, rss_mib(pid)))
+            total = args.rounds * args.requests
+            with tqdm(total=total, desc="soak", unit="req", mininterval=2) as bar:
+                for r in range(args.rounds):
+                    tag = uuid.uuid4().hex[:6]
+                    items = [(topic, f"{tag}-{i}".encode(), msgspec.json.encode(
+                        {"id": f"{tag}-{i}", "prompt": f"amount {i} USD, merchant grocery", "max_tokens": 4,
+                         "stream": i % 2 == 0}), []) for i in range(args.requests)]
+                    for k in range(0, len(items), 5000):
+                        await produce(s.kafka.options(), items[k:k + 5000])
+                    want = (r + 1) * args.requests
+                    while (done := await committed(probe, tps)) < want:
+                        if procs[0].poll() is not None:
+                            raise RuntimeError(f"the worker exited ({procs[0].returncode}) in round {r}")
+                        bar.n = done
+                        bar.refresh()
+                        await asyncio.sleep(0.2)
+                    bar.n = want
+                    points.append((want, rss_mib(pid)))
+                    bar.set_postfix(rss_mib=f"{points[-1][1]:.0f}")
+        finally:
+            await probe.stop()
+    return {"points": points, "growth_mib_per_100k": growth_per_100k(points)}
+
+
+def plot(points: list[tuple[int, float]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot([p[0] / 1000 for p in points], [p[1] for p in points], marker="o")
+    ax.set_xlabel("requests answered and committed (thousands)")
+    ax.set_ylabel("worker resident memory (MiB)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=25)
+    ap.add_argument("--requests", type=int, default=20000)
+    ap.add_argument("--engine", choices=["fake", "vllm"], default="fake")
+    args = ap.parse_args()
+    started = time.time()
+    out = asyncio.run(soak(args))
+    head = (f"{args.rounds} rounds x {args.requests} requests, {args.engine} engine; {common.machine()}; "
+            f"{common.today()}; rev {common.git_rev()}")
+    print(head)
+    for n, mib in out["points"]:
+        print(f"  {n:>9,} requests  {mib:7.1f} MiB")
+    print(f"growth over the second half: {out['growth_mib_per_100k']:+.2f} MiB per 100,000 requests")
+    record = {"command": " ".join(sys.argv), "machine": common.machine(), "date": common.today(),
+              "rev": common.git_rev(), "engine": args.engine, "seconds": round(time.time() - started, 1), **out}
+    (HERE / "soak.json").write_text(json.dumps(record, indent=1))
+    plot(out["points"], HERE / "soak.png", head)
+    print(f"wrote {HERE / 'soak.json'}, {HERE / 'soak.png'}")
+
+
+if __name__ == "__main__":
+    main()
