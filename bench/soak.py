@@ -88,10 +88,9 @@ async def soak(args) -> dict:
                     while (done := await committed(probe, tps)) < want:
                         if procs[0].poll() is not None:
                             raise RuntimeError(f"the worker exited ({procs[0].returncode}) in round {r}")
-                        bar.n = done
-                        bar.refresh()
+                        bar.update(done - bar.n)  # redrawn at most every mininterval
                         await asyncio.sleep(0.2)
-                    bar.n = want
+                    bar.update(want - bar.n)
                     points.append((want, rss_mib(pid)))
                     bar.set_postfix(rss_mib=f"{points[-1][1]:.0f}")
         finally:
@@ -124,7 +123,7 @@ def main() -> None:
     args = ap.parse_args()
     started = time.time()
     out = asyncio.run(soak(args))
-    head = (f"{args.rounds} rounds x {args.requests} requests, {args.engine} engine; {common.machine()}; "
+    head = (f"{args.rounds} rounds x {args.requests} requests, {args.engine} engine\n{common.machine()}; "
             f"{common.today()}; rev {common.git_rev()}")
     print(head)
     for n, mib in out["points"]:
