@@ -5,12 +5,13 @@
 One `sluice worker` on fresh topics (the fake engine by default: the worker's own memory, not a
 model's). Each round publishes N standard requests (half of them streaming, 4 tokens each), waits
 until the worker's group has committed every one, then reads the worker process's resident memory
-(VmRSS, /proc). Prints MiB per round and the growth over the second half of the rounds per 100,000
+(VmRSS, /proc), and that of the processes below it (vLLM's engine core, where the KV connector
+runs). Prints MiB per round and the growth over the second half of the rounds per 100,000
 requests (the first rounds fill caches and pools that then stay); writes bench/soak.json and
 bench/soak.png.
 
 A worker that keeps something per request grows without end and is OOM-killed after days: before
-the fake engine's request-id lists were bounded, this measured about 80 bytes per request.
+the fake engine's request-id lists were bounded, a fake-engine worker grew about 80 bytes a request.
 """
 
 from __future__ import annotations
@@ -38,7 +39,14 @@ def rss_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
+    return 0.0  # a kernel thread, or gone
+
+
+def below_mib(pid: int) -> float:
+    """Resident memory of every process below `pid` (vLLM's engine core, its forkserver)."""
+    from worker.engine_guard import descendants, parents
+
+    return sum(rss_mib(p) for p in descendants(parents(), pid))
 
 
 def growth_per_100k(points: list[tuple[int, float]]) -> float:
@@ -64,6 +72,7 @@ async def soak(args) -> dict:
     if args.engine == "fake":
         env["SLUICE_ENGINE_KIND"] = "fake"
     points: list[tuple[int, float]] = []
+    engine_points: list[tuple[int, float]] = []
     async with common.worker_process(s, "soak", HERE / ".soak-worker.log", procs, **env) as cat:
         pid = procs[0].pid
         topic = cat.request_topic("standard").name
@@ -75,6 +84,7 @@ async def soak(args) -> dict:
                 await probe._client.force_metadata_update()
                 tps = [TopicPartition(topic, p) for p in sorted(probe.partitions_for_topic(topic) or ())]
             points.append((0, rss_mib(pid)))
+            engine_points.append((0, below_mib(pid)))
             total = args.rounds * args.requests
             with tqdm(total=total, desc="soak", unit="req", mininterval=2) as bar:
                 for r in range(args.rounds):
@@ -92,22 +102,27 @@ async def soak(args) -> dict:
                         await asyncio.sleep(0.2)
                     bar.update(want - bar.n)
                     points.append((want, rss_mib(pid)))
+                    engine_points.append((want, below_mib(pid)))
                     bar.set_postfix(rss_mib=f"{points[-1][1]:.0f}")
         finally:
             await probe.stop()
-    return {"points": points, "growth_mib_per_100k": growth_per_100k(points)}
+    return {"points": points, "growth_mib_per_100k": growth_per_100k(points),
+            "engine_points": engine_points, "engine_growth_mib_per_100k": growth_per_100k(engine_points)}
 
 
-def plot(points: list[tuple[int, float]], path: Path, title: str) -> None:
+def plot(points: list[tuple[int, float]], path: Path, title: str, below: list[tuple[int, float]] = ()) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot([p[0] / 1000 for p in points], [p[1] for p in points], marker="o")
+    ax.plot([p[0] / 1000 for p in points], [p[1] for p in points], marker="o", label="worker")
+    if any(mib for _, mib in below):
+        ax.plot([p[0] / 1000 for p in below], [p[1] for p in below], marker="s", label="processes below it (engine)")
+        ax.legend(fontsize=8)
     ax.set_xlabel("requests answered and committed (thousands)")
-    ax.set_ylabel("worker resident memory (MiB)")
+    ax.set_ylabel("resident memory (MiB)")
     ax.set_ylim(bottom=0)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
@@ -126,13 +141,15 @@ def main() -> None:
     head = (f"{args.rounds} rounds x {args.requests} requests, {args.engine} engine\n{common.machine()}; "
             f"{common.today()}; rev {common.git_rev()}")
     print(head)
-    for n, mib in out["points"]:
-        print(f"  {n:>9,} requests  {mib:7.1f} MiB")
-    print(f"growth over the second half: {out['growth_mib_per_100k']:+.2f} MiB per 100,000 requests")
+    print("  requests   worker MiB   processes below it (the engine's) MiB")
+    for (n, mib), (_, below) in zip(out["points"], out["engine_points"]):
+        print(f"  {n:>9,}  {mib:9.1f}  {below:9.1f}")
+    print(f"growth over the second half, per 100,000 requests: worker {out['growth_mib_per_100k']:+.2f} MiB, "
+          f"processes below it {out['engine_growth_mib_per_100k']:+.2f} MiB")
     record = {"command": " ".join(sys.argv), "machine": common.machine(), "date": common.today(),
               "rev": common.git_rev(), "engine": args.engine, "seconds": round(time.time() - started, 1), **out}
     (HERE / "soak.json").write_text(json.dumps(record, indent=1))
-    plot(out["points"], HERE / "soak.png", head)
+    plot(out["points"], HERE / "soak.png", head, out["engine_points"])
     print(f"wrote {HERE / 'soak.json'}, {HERE / 'soak.png'}")
 
 
