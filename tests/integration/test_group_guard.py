@@ -58,6 +58,11 @@ async def test_without_the_guard_the_survivor_waits_out_the_session_timeout(sett
     assert took >= SESSION_MS / 1000, took
 
 
+def _guards_of(pid: int) -> list[str]:
+    return subprocess.run(["pgrep", "-P", str(pid), "-f", "worker.group_guard"], capture_output=True,
+                          text=True).stdout.split()
+
+
 def _last_generation(worker_log: str) -> int | None:
     lines = [json.loads(line) for line in worker_log.splitlines() if '"partitions_assigned"' in line]
     return lines[-1].get("generation") if lines else None
@@ -70,8 +75,7 @@ async def test_a_clean_stop_stands_the_guard_down(settings, catalog, tmp_path):
     the session timeout."""
     proc, survivor, partitions = await _worker_and_survivor(settings, catalog, tmp_path)
     try:
-        guards = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "worker.group_guard"],  # this worker's
-                                capture_output=True, text=True).stdout.split()
+        guards = _guards_of(proc.pid)  # this worker's
         assert guards, "no guard process is running beside the worker"
         proc.send_signal(signal.SIGTERM)
         rc = await asyncio.to_thread(proc.wait, 60)
@@ -87,11 +91,6 @@ async def test_a_clean_stop_stands_the_guard_down(settings, catalog, tmp_path):
     still = [pid for pid in guards if os.path.exists(f"/proc/{pid}")]
     assert not still, f"guard processes outlived a clean stop: {still}"
 
-
-
-def _guards_of(pid: int) -> list[str]:
-    return subprocess.run(["pgrep", "-P", str(pid), "-f", "worker.group_guard"], capture_output=True,
-                          text=True).stdout.split()
 
 
 async def test_a_guard_killed_under_a_running_worker_is_started_again_and_still_covers_it(settings, catalog,

@@ -51,6 +51,16 @@ def test_the_guard_kills_what_it_watches_when_its_pipe_closes():
         victim.kill()
 
 
+def _gone(pid: int, started: int, within_s: float = 10) -> bool:
+    end = time.monotonic() + within_s
+    while g.running(pid, started) and time.monotonic() < end:
+        time.sleep(0.1)
+    alive = g.running(pid, started)
+    if alive:
+        __import__("os").kill(pid, 9)
+    return not alive
+
+
 OWNER = """
 import subprocess, sys, time
 from worker.engine_guard import EngineGuard
@@ -70,10 +80,7 @@ def test_a_sigkilled_owner_takes_its_engine_processes_with_it():
     assert g.running(watched[0], started)
     owner.kill()  # SIGKILL: no cleanup of its own
     owner.wait()
-    end = time.monotonic() + 10
-    while g.running(watched[0], started) and time.monotonic() < end:
-        time.sleep(0.1)
-    assert not g.running(watched[0], started)
+    assert _gone(watched[0], started)
 
 
 TRACKER = "# multiprocessing.resource_tracker\nimport time; time.sleep(120)"  # named as Python's resource tracker
@@ -97,13 +104,7 @@ def test_an_owner_sigkilled_while_its_engine_loads_takes_the_engine_with_it():
     time.sleep(4 * g.FOLLOW_S)  # the guard has been told of it
     owner.kill()
     owner.wait()
-    end = time.monotonic() + 10
-    while g.running(engine, started) and time.monotonic() < end:
-        time.sleep(0.1)
-    alive = g.running(engine, started)
-    if alive:
-        __import__("os").kill(engine, 9)
-    assert not alive, "the engine outlived its owner, killed while the engine loaded"
+    assert _gone(engine, started), "the engine outlived its owner, killed while the engine loaded"
 
 
 def test_a_close_kills_only_what_outlived_the_engine_shutdown():
@@ -188,16 +189,6 @@ def test_end_descendants_returns_as_soon_as_everything_ended():
     finally:
         root.kill()
         root.wait()
-
-
-def _gone(pid: int, started: int, within_s: float = 10) -> bool:
-    end = time.monotonic() + within_s
-    while g.running(pid, started) and time.monotonic() < end:
-        time.sleep(0.1)
-    alive = g.running(pid, started)
-    if alive:
-        __import__("os").kill(pid, 9)
-    return not alive
 
 
 REVIVING_OWNER = """
