@@ -189,12 +189,12 @@ INPROCESS_ARM_ENV = "SLUICE_BENCH_ENGINE_INPROCESS"
 
 def arm_env(args) -> dict:
     """Environment of a vLLM arm that is not a worker: the binding, KV cache and compile mode a worker's
-    engine gets from its settings (`worker.engine.compile_env`), and whether it runs in-process."""
-    from worker.engine import compile_env
+    engine gets from its settings (`worker.engine.engine_env`), and whether it runs in-process."""
+    from worker.engine import engine_env
 
     return {**os.environ, RESERVED_CPUS_ENV: str(args.reserved_cpus), "VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib),
             INPROCESS_ARM_ENV: "1" if getattr(args, "engine_start", "forkserver") == "inprocess" else "0",
-            **compile_env(load(environ=dict(os.environ)).engine)}
+            **engine_env(load(environ=dict(os.environ)).engine)}
 
 
 def inprocess_vllm_arm() -> dict[str, str] | None:

@@ -109,9 +109,16 @@ def describe_config(vllm_config) -> dict:
                              if vllm_config.kv_transfer_config is not None else None)}
 
 
-def compile_env(config) -> dict[str, str]:
-    """Environment for the engine's processes (they inherit it when spawned)."""
-    return {"VLLM_USE_AOT_COMPILE": "0"} if config.compile_mode == "graph-cache" else {}
+ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+
+
+def engine_env(config) -> dict[str, str]:
+    """Environment for the engine's processes (they inherit it when spawned): the compile mode, and
+    oneDNN's primitive cache, which its library reads once as it loads in the engine core."""
+    env = {"VLLM_USE_AOT_COMPILE": "0"} if config.compile_mode == "graph-cache" else {}
+    if config.onednn_cache_capacity is not None:
+        env[ONEDNN_CACHE_ENV] = str(config.onednn_cache_capacity)
+    return env
 
 
 _WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".pth", ".gguf"})
@@ -265,7 +272,7 @@ class VllmEngine:
         if self.device == "cpu":
             # Read by vLLM's CPU worker when the engine core starts.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.cpu_kvcache_gib))
-        os.environ.update(compile_env(config))  # read by vLLM in this process and the engine core it starts
+        os.environ.update(engine_env(config))  # read by vLLM in this process and the engine core it starts
         inprocess_env = None  # the binding the forkserver starts with, when the engine core is to run the model
         if self.device == "cpu" and config.engine_start in ("inprocess", "forkserver"):
             from worker import engine_fork, omp_binding

@@ -28,6 +28,7 @@ Positive = Annotated[int, Meta(ge=1)]
 NonNegative = Annotated[int, Meta(ge=0)]
 Seconds = Annotated[float, Meta(gt=0)]
 ENV_PREFIX = "SLUICE_"
+ONEDNN_CACHE_DEFAULT = 64  # engine.onednn_cache_capacity; bench/engine_shapes.py
 
 
 class SettingsError(ValueError):
@@ -197,6 +198,11 @@ class EngineSettings(_Section):
     # sooner again (it falls back to `forkserver`, logged, where the binding cannot be worked out
     # ahead); `spawn` is vLLM's own way, fresh interpreters. GPU and NPU engines start vLLM's way.
     engine_start: Literal["inprocess", "forkserver", "spawn"] = "inprocess"
+    # CPU only: how many compiled matrix kernels (oneDNN primitives) the engine keeps, one per batch
+    # shape met, each holding memory that grows with the step's tokens. oneDNN's own default, 1024 (set
+    # None to keep it), let an engine core grow by gigabytes as a worker met new shapes over hours;
+    # fewer costs a step a few percent where it meets a shape it evicted. bench/engine_shapes.py.
+    onednn_cache_capacity: NonNegative | None = ONEDNN_CACHE_DEFAULT
     # Benchmarks only: every request generates its max_tokens, as vLLM's `ignore_eos`, so arms that are
     # compared do the same work. Never in production: answers would run past their end.
     ignore_eos: bool = False

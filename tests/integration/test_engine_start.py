@@ -9,7 +9,7 @@ import pytest
 
 from tests.integration.helpers import cmdline
 from worker import engine_guard, omp_binding
-from worker.engine import GenParams
+from worker.engine import ONEDNN_CACHE_ENV, GenParams
 
 pytestmark = pytest.mark.integration
 
@@ -37,6 +37,8 @@ async def test_engine_core_is_forked_from_the_forkserver_and_runs_the_model_itse
     wanted = omp_binding.expected(engine._llm.vllm_config)
     assert {k: started_with.get(k, "") for k in wanted} == wanted
     assert "libgomp" in started_with["LD_PRELOAD"]
+    # and with the bound on oneDNN's primitive cache, which the library reads as it loads there
+    assert started_with.get(ONEDNN_CACHE_ENV) == str(engine.config.onednn_cache_capacity)
     # libgomp bound the engine core's threads to the first of those cores, as in vLLM's own runner
     first = int(wanted["GOMP_CPU_AFFINITY"].split()[0])
     assert os.sched_getaffinity(cores[0]) == {first}

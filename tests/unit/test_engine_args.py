@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from worker.engine import engine_args, model_fingerprint
-from worker.settings import SettingsError, load
+from worker.engine import ONEDNN_CACHE_ENV, engine_args, engine_env, model_fingerprint
+from worker.settings import ONEDNN_CACHE_DEFAULT, SettingsError, load
 
 
 def args(**env):
@@ -92,3 +92,19 @@ def test_pages_of_another_fine_tune_with_the_same_config_never_match(tmp_path):
     (same / "model-00002-of-00002.safetensors").write_bytes(b"another shard")
     model_fingerprint.cache_clear()
     assert model_fingerprint(str(same), "bfloat16") != fp["base"]
+
+
+@pytest.mark.parametrize("env, capacity", [
+    ({}, str(ONEDNN_CACHE_DEFAULT)),                 # sluice's bound, not oneDNN's 1024
+    ({"onednn_cache_capacity": 256}, "256"),
+    ({"onednn_cache_capacity": 0}, "0"),            # no cache: every shape compiled again
+    ({"onednn_cache_capacity": ""}, None),          # unset: oneDNN's own default
+])
+def test_onednn_cache_capacity_reaches_the_engine_environment(env, capacity):
+    s = load(environ={f"SLUICE_{k.upper()}": str(v) for k, v in env.items()})
+    assert engine_env(s.engine).get(ONEDNN_CACHE_ENV) == capacity
+
+
+def test_onednn_cache_capacity_is_validated():
+    with pytest.raises(SettingsError, match="SLUICE_ONEDNN_CACHE_CAPACITY"):
+        load(environ={"SLUICE_ONEDNN_CACHE_CAPACITY": "-1"})
