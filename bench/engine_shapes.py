@@ -213,7 +213,7 @@ def main() -> None:
            "summary": table, "arms": arms}
     (HERE / "engine_shapes.json").write_text(json.dumps(out, indent=1) + "\n")
     plot(arms, args.tokens, HERE / "engine_shapes.png",
-         f"vLLM engine core memory by batch shapes met ({out['machine']}, {out['rev']})")
+         f"vLLM engine core memory by batch shapes met\n{out['machine']}, {out['date']}, rev {out['rev']}")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
 """Does a worker's memory stay flat while it answers requests for a long time?
 
-    python bench/soak.py [--rounds 25] [--requests 20000] [--engine fake|vllm]
+    python bench/soak.py [--rounds 25] [--requests 20000] [--engine fake|vllm] [--out soak]
 
 One `sluice worker` on fresh topics (the fake engine by default: the worker's own memory, not a
 model's). Each round publishes N standard requests (half of them streaming, 4 tokens each), waits
 until the worker's group has committed every one, then reads the worker process's resident memory
 (VmRSS, /proc), and that of the processes below it (vLLM's engine core, where the KV connector
 runs). Prints MiB per round and the growth over the second half of the rounds per 100,000
-requests (the first rounds fill caches and pools that then stay); writes bench/soak.json and
-bench/soak.png.
+requests (the first rounds fill caches and pools that then stay), and the requests answered and
+committed per second over the rounds; writes bench/soak.json and bench/soak.png (`--out`).
 
 A worker that keeps something per request grows without end and is OOM-killed after days: before
 the fake engine's request-id lists were bounded, a fake-engine worker grew about 80 bytes a request.
@@ -73,6 +73,7 @@ async def soak(args) -> dict:
         env["SLUICE_ENGINE_KIND"] = "fake"
     points: list[tuple[int, float]] = []
     engine_points: list[tuple[int, float]] = []
+    round_seconds: list[float] = []  # publish to committed, each round
     async with common.worker_process(s, "soak", HERE / ".soak-worker.log", procs, **env) as cat:
         pid = procs[0].pid
         topic = cat.request_topic("standard").name
@@ -88,6 +89,7 @@ async def soak(args) -> dict:
             total = args.rounds * args.requests
             with tqdm(total=total, desc="soak", unit="req", mininterval=2) as bar:
                 for r in range(args.rounds):
+                    round_started = time.perf_counter()
                     tag = uuid.uuid4().hex[:6]
                     items = [(topic, f"{tag}-{i}".encode(), msgspec.json.encode(
                         {"id": f"{tag}-{i}", "prompt": f"amount {i} USD, merchant grocery", "max_tokens": 4,
@@ -101,12 +103,15 @@ async def soak(args) -> dict:
                         bar.update(done - bar.n)  # redrawn at most every mininterval
                         await asyncio.sleep(0.2)
                     bar.update(want - bar.n)
+                    round_seconds.append(time.perf_counter() - round_started)
                     points.append((want, rss_mib(pid)))
                     engine_points.append((want, below_mib(pid)))
                     bar.set_postfix(rss_mib=f"{points[-1][1]:.0f}")
         finally:
             await probe.stop()
-    return {"points": points, "growth_mib_per_100k": growth_per_100k(points),
+    return {"points": points, "growth_mib_per_100k": growth_per_100k(points), "round_seconds": round_seconds,
+            "requests_per_s": args.rounds * args.requests / sum(round_seconds),
+            "onednn_cache_capacity": s.engine.onednn_cache_capacity,
             "engine_points": engine_points, "engine_growth_mib_per_100k": growth_per_100k(engine_points)}
 
 
@@ -135,6 +140,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--requests", type=int, default=20000)
     ap.add_argument("--engine", choices=["fake", "vllm"], default="fake")
+    ap.add_argument("--out", default="soak", help="bench/OUT.json and bench/OUT.png")
     args = ap.parse_args()
     started = time.time()
     out = asyncio.run(soak(args))
@@ -146,11 +152,13 @@ def main() -> None:
         print(f"  {n:>9,}  {mib:9.1f}  {below:9.1f}")
     print(f"growth over the second half, per 100,000 requests: worker {out['growth_mib_per_100k']:+.2f} MiB, "
           f"processes below it {out['engine_growth_mib_per_100k']:+.2f} MiB")
+    print(f"answered and committed {out['requests_per_s']:,.1f} requests/s over the rounds "
+          f"(oneDNN primitive cache: {out['onednn_cache_capacity'] or 'its default'})")
     record = {"command": " ".join(sys.argv), "machine": common.machine(), "date": common.today(),
               "rev": common.git_rev(), "engine": args.engine, "seconds": round(time.time() - started, 1), **out}
-    (HERE / "soak.json").write_text(json.dumps(record, indent=1))
-    plot(out["points"], HERE / "soak.png", head, out["engine_points"])
-    print(f"wrote {HERE / 'soak.json'}, {HERE / 'soak.png'}")
+    (HERE / f"{args.out}.json").write_text(json.dumps(record, indent=1))
+    plot(out["points"], HERE / f"{args.out}.png", head, out["engine_points"])
+    print(f"wrote {HERE / args.out}.json, .png")
 
 
 if __name__ == "__main__":
