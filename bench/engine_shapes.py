@@ -131,7 +131,8 @@ def run_arm(cache: str, tokens: int, stride: int, mixed: int) -> dict:
 
 def check_arms(arms: dict[str, dict]) -> dict:
     """The engine configuration all arms share; refuses arms that differ in more than the cache."""
-    resolved = {cache: arm.pop("resolved") for cache, arm in arms.items()}
+    resolved = {cache: {k: v for k, v in arm.pop("resolved").items() if k != "onednn_cache"}  # the arms' one difference
+                for cache, arm in arms.items()}
     for cache, arm in arms.items():  # each arm's engine processes got its capacity, and only that
         if set(arm["engine_cache_env"]) != {None if cache == "default" else cache}:
             raise SystemExit(f"arm {cache}: the engine's processes started with {arm['engine_cache_env']}")

@@ -24,7 +24,7 @@ ARM_ENGINE = "ARM-ENGINE "
 # core reservation vLLM makes for a connector).
 COMPARED = ("dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "chunked_prefill",
             "scheduling_policy", "prefix_caching", "block_size", "kv_cache_dtype", "enforce_eager", "executor",
-            "kv_cache_tokens", "core_ids")
+            "onednn_cache", "kv_cache_tokens", "core_ids")
 
 
 def engine_config(log_text: str) -> dict | None:

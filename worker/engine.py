@@ -94,6 +94,9 @@ def engine_args(config, dtype: str) -> dict:
     return args
 
 
+ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+
+
 def describe_config(vllm_config) -> dict:
     """The engine configuration vLLM resolved (after its defaults for the device), as plain data:
     logged at start-up, and what benchmark arms compare before their ratios mean anything."""
@@ -106,10 +109,9 @@ def describe_config(vllm_config) -> dict:
             "kv_cache_dtype": str(cache.cache_dtype), "enforce_eager": bool(model.enforce_eager),
             "executor": executor if isinstance(executor, str) or executor is None else executor.__name__,
             "kv_connector": (vllm_config.kv_transfer_config.kv_connector
-                             if vllm_config.kv_transfer_config is not None else None)}
-
-
-ONEDNN_CACHE_ENV = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+                             if vllm_config.kv_transfer_config is not None else None),
+            # not vLLM's, but the engine's processes inherit it from here (`engine_env`)
+            "onednn_cache": os.environ.get(ONEDNN_CACHE_ENV, "default")}
 
 
 def engine_env(config) -> dict[str, str]:

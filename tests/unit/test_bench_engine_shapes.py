@@ -16,7 +16,9 @@ def arm(cache_env, resolved=ENGINE, pass2=(1.0, 1.0), mixed_s=10.0, output_token
 
 
 def test_arms_alike_but_for_the_cache_pass():
-    assert check_arms({"default": arm([None, None]), "64": arm(["64", "64"])}) == ENGINE
+    arms = {"default": arm([None, None], {**ENGINE, "onednn_cache": "default"}),
+            "64": arm(["64", "64"], {**ENGINE, "onednn_cache": "64"})}
+    assert check_arms(arms) == ENGINE
 
 
 @pytest.mark.parametrize("arms, complaint", [

@@ -8,7 +8,8 @@ from bench import harness
 
 CONFIG = {"dtype": "bfloat16", "max_model_len": 2048, "max_num_seqs": 64, "max_num_batched_tokens": 2048,
           "chunked_prefill": True, "scheduling_policy": "priority", "prefix_caching": True, "block_size": 128,
-          "kv_cache_dtype": "auto", "enforce_eager": False, "executor": "mp", "kv_connector": None}
+          "kv_cache_dtype": "auto", "enforce_eager": False, "executor": "mp", "kv_connector": None,
+          "onednn_cache": "64"}
 BINDING = """(EngineCore pid=1) INFO [ompmultiprocessing.py:185] \tlocal_world_size=1, reserve_cpu_num=0
 (EngineCore pid=1) INFO [ompmultiprocessing.py:185] \tlocal_rank=0, core ids=[0, 1]
 (EngineCore pid=1) INFO [ompmultiprocessing.py:185] \treserved_cpus=[]
@@ -43,6 +44,7 @@ def test_arms_configured_alike_pass_even_when_only_one_saves_pages():
     ("prefix_caching", False),
     ("max_num_seqs", 256),
     ("executor", "UniProcExecutor"),  # sluice's default on CPU: the engine core runs the model itself
+    ("onednn_cache", "default"),       # an arm whose oneDNN keeps 1024 compiled kernels, not the worker's 64
 ])
 def test_one_setting_apart_stops_the_comparison_naming_it(key, value):
     with pytest.raises(SystemExit, match=key):
