@@ -199,8 +199,8 @@ class EngineSettings(_Section):
     # ahead); `spawn` is vLLM's own way, fresh interpreters. GPU and NPU engines start vLLM's way.
     engine_start: Literal["inprocess", "forkserver", "spawn"] = "inprocess"
     # CPU only: how many compiled matrix kernels (oneDNN primitives) the engine keeps, one per batch
-    # shape met, each holding memory that grows with the step's tokens. oneDNN's own default, 1024 (set
-    # None to keep it), let an engine core grow by gigabytes as a worker met new shapes over hours;
+    # shape met, each holding memory that grows with the step's tokens. oneDNN's own default, 1024 (an
+    # empty variable keeps it), let an engine core grow by gigabytes as a worker met new shapes;
     # fewer costs a step a few percent where it meets a shape it evicted. bench/engine_shapes.py.
     onednn_cache_capacity: NonNegative | None = ONEDNN_CACHE_DEFAULT
     # Benchmarks only: every request generates its max_tokens, as vLLM's `ignore_eos`, so arms that are
