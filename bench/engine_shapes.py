@@ -1,21 +1,21 @@
 """Where does vLLM's engine core stop growing as it meets new batch shapes, and what does a smaller
 oneDNN primitive cache cost?
 
-    python bench/engine_shapes.py [--tokens 320] [--stride 1] [--cache default --cache 64]
+    python bench/engine_shapes.py [--tokens 320] [--stride 1] [--mixed 256] [--cache default --cache 64]
 
 vLLM on CPU multiplies through oneDNN, which builds (JIT-compiles) one primitive per matrix shape and
-keeps it in a cache (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`: oneDNN's default is 1024; a worker sets
-it from `SLUICE_ONEDNN_CACHE_CAPACITY`). An engine step's shape is
-the number of tokens it runs, so a worker admitting requests as they come meets many shapes, and the
-engine core grows with each new one until the cache is full (bench/soak.py, `--engine vllm`).
+keeps it in a cache (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`: oneDNN's default is 1024; a worker sets it
+from `SLUICE_ONEDNN_CACHE_CAPACITY`). An engine step's shape is the number of tokens it runs, so a
+worker admitting requests as they come meets many shapes, and the engine core grows with each new
+one until the cache is full (bench/soak.py, `--engine vllm`).
 
 Each arm starts the worker's own engine (`VllmEngine`, the worker's default settings, pages off) in
-a fresh process with the arm's cache capacity (`default`: oneDNN's own), then runs one request at a time whose prompt is N
-random tokens (one prefill step of N tokens, one output token), for N = 1 .. --tokens (every
---stride-th), twice.
-Pass 1 meets every shape for the first time; pass 2 meets them again, from the cache where it holds
-them, so pass 2's time against the default arm's is what a smaller cache costs a step. The engine's
-processes' resident memory is read every 8 steps. Writes bench/engine_shapes.json and .png.
+a fresh process with the arm's cache capacity (`default`: oneDNN's own). It runs one request at a
+time whose prompt is N random tokens (one prefill step of N tokens, one output token), for
+N = 1 .. --tokens (every --stride-th), twice. Pass 1 meets every shape for the first time; pass 2
+meets them again, from the cache where it holds them, so pass 2's time against the default arm's
+is what a smaller cache costs a step. Then a mixed load (`mixed_load`). The engine's processes'
+resident memory is read every 8 steps. Writes bench/engine_shapes.json and .png.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ async def walk(tokens: int, stride: int, mixed_requests: int) -> dict:
 
     model = common.prepare(log=lambda *_: None)
     # ignore_eos: every arm's mixed load generates the same tokens
-    s = load(environ={**os.environ, "SLUICE_MODEL": str(model), "SLUICE_KV_PAGES": "false", "SLUICE_IGNORE_EOS": "true"})
+    s = load(environ={**os.environ, "SLUICE_MODEL": str(model), "SLUICE_KV_PAGES": "false",
+                      "SLUICE_IGNORE_EOS": "true"})
     engine = await common.engine(s)
     try:
         rng = random.Random(7)
@@ -204,14 +205,15 @@ def main() -> None:
     table = summary(arms)
     for cache, row in table.items():
         print(f"{CACHE_ENV}={cache:>8}: engine {row['start_mib']:.0f} -> {row['after_pass1_mib']:.0f} MiB after "
-              f"{len(lengths(args.tokens, args.stride))} new shapes, {row['after_pass2_mib']:.0f} after pass 2; pass 1 {row['pass1_s']:.1f} s, "
+              f"{len(lengths(args.tokens, args.stride))} new shapes, {row['after_pass2_mib']:.0f} after pass 2; "
+              f"pass 1 {row['pass1_s']:.1f} s, "
               f"pass 2 {row['pass2_s']:.1f} s ({row.get('pass2_vs_default', float('nan')):.3f}x default); "
               f"mixed load {row['mixed_s']:.1f} s ({row.get('mixed_vs_default', float('nan')):.3f}x default), "
               f"{row['after_mixed_mib']:.0f} MiB after it")
     out = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
            "machine": common.machine(), "date": common.today(), "rev": common.git_rev(),
-           "seconds": round(time.time() - started, 1), "tokens": args.tokens, "stride": args.stride, "engine": resolved,
-           "summary": table, "arms": arms}
+           "seconds": round(time.time() - started, 1), "tokens": args.tokens, "stride": args.stride,
+           "mixed": args.mixed, "engine": resolved, "summary": table, "arms": arms}
     (HERE / "engine_shapes.json").write_text(json.dumps(out, indent=1) + "\n")
     plot(arms, args.tokens, HERE / "engine_shapes.png",
          f"vLLM engine core memory by batch shapes met\n{out['machine']}, {out['date']}, rev {out['rev']}")

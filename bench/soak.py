@@ -152,8 +152,9 @@ def main() -> None:
         print(f"  {n:>9,}  {mib:9.1f}  {below:9.1f}")
     print(f"growth over the second half, per 100,000 requests: worker {out['growth_mib_per_100k']:+.2f} MiB, "
           f"processes below it {out['engine_growth_mib_per_100k']:+.2f} MiB")
+    capacity = out["onednn_cache_capacity"]
     print(f"answered and committed {out['requests_per_s']:,.1f} requests/s over the rounds "
-          f"(oneDNN primitive cache: {'its default' if out['onednn_cache_capacity'] is None else out['onednn_cache_capacity']})")
+          f"(oneDNN primitive cache: {'its default' if capacity is None else capacity})")
     record = {"command": " ".join(sys.argv), "machine": common.machine(), "date": common.today(),
               "rev": common.git_rev(), "engine": args.engine, "seconds": round(time.time() - started, 1), **out}
     (HERE / f"{args.out}.json").write_text(json.dumps(record, indent=1))
