@@ -31,22 +31,19 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import common  # noqa: E402
 from loadgen.burst import produce  # noqa: E402
+from worker.engine_guard import resident_bytes, resident_bytes_below  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
 
 def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0  # a kernel thread, or gone
+    return resident_bytes(pid) / 2**20
 
 
 def below_mib(pid: int) -> float:
-    """Resident memory of every process below `pid` (vLLM's engine core, its forkserver)."""
-    from worker.engine_guard import descendants, parents
-
-    return sum(rss_mib(p) for p in descendants(parents(), pid))
+    """Resident memory of every process below `pid` (vLLM's engine core, its forkserver), as the
+    worker's sluice_engine_processes_resident_bytes reads it."""
+    return resident_bytes_below(pid) / 2**20
 
 
 def growth_per_100k(points: list[tuple[int, float]]) -> float:

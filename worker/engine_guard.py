@@ -61,6 +61,22 @@ def parents(proc: Path = PROC) -> dict[int, int]:
     return out
 
 
+def resident_bytes(pid: int, proc: Path = PROC) -> int:
+    """A process's resident memory (VmRSS); 0 if it is gone or a kernel thread."""
+    try:
+        for line in (proc / str(pid) / "status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def resident_bytes_below(root: int, proc: Path = PROC) -> int:
+    """The resident memory of every process below `root`, summed."""
+    return sum(resident_bytes(pid, proc) for pid in descendants(parents(proc), root))
+
+
 def descendants(parent_of: dict[int, int], root: int) -> list[int]:
     """Every process below `root`, parents before children."""
     children: dict[int, list[int]] = {}

@@ -125,6 +125,10 @@ suspended = Counter("sluice_requests_suspended_total", "Running requests suspend
 commits = Counter("sluice_offset_commits_total", "Offset commits", ["result"], registry=REGISTRY)
 redis_up = Gauge("sluice_redis_up", "1 when Redis Cluster answers, 0 while degraded", registry=REGISTRY)
 engine_up = Gauge("sluice_engine_up", "1 while the engine serves", registry=REGISTRY)
+engine_memory = Gauge("sluice_engine_processes_resident_bytes",
+                      "Resident memory of the processes below the worker, summed (read at each scrape): vLLM's "
+                      "engine core and its forkserver or model runner, and the guards. The worker's own is "
+                      "process_resident_memory_bytes", registry=REGISTRY)
 event_loop_lag = Histogram(
     "sluice_event_loop_lag_seconds", "How late the worker's event loop woke its health monitor: while it is late, "
     "no request of the worker moves (a long garbage collection, blocking work)",

@@ -7,6 +7,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
+import prometheus_client
 import yaml
 
 from tests.tools import need_tool
@@ -65,6 +66,12 @@ def sluice_sample_names() -> set[str]:
     return out
 
 
+def process_sample_names() -> set[str]:
+    """What the process-wide registry's own collectors export on a worker's target (worker/ops.py)."""
+    return {sample.name for family in prometheus_client.REGISTRY.collect()
+            if family.name.startswith(("process_", "python_")) for sample in family.samples}
+
+
 def vllm_metric_names() -> set[str]:
     """vLLM's metric names as its Prometheus logger declares them (counters get _total when exported)."""
     loggers = Path(__import__("vllm").__file__).parent / "v1" / "metrics" / "loggers.py"
@@ -102,7 +109,7 @@ def test_every_dashboard_query_is_valid_promql(tmp_path):
 
 
 def test_every_queried_metric_is_exported():
-    known = sluice_sample_names() | vllm_metric_names() | recorded_names() | {"up"}
+    known = sluice_sample_names() | process_sample_names() | vllm_metric_names() | recorded_names() | {"up"}
     assert referenced_names() - known == set()
     assert any(n.startswith("vllm:") for n in referenced_names())  # the engine panels read vLLM's own metrics
 

@@ -1,11 +1,18 @@
 """The ops server: sluice's and the process registry's metrics on one target; slow clients hold nothing up."""
 
 import asyncio
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
 import time
 
 from prometheus_client import Counter
 
 from tests.unit.test_supervision import free_port, http_get
+from worker import engine_guard
 from worker.ops import OpsServer
 
 
@@ -28,6 +35,39 @@ async def test_metrics_serve_both_registries_and_readyz_follows_status():
         assert (await http_get(port, "/nope"))[0] == 404
     finally:
         await ops.stop()
+
+
+async def test_the_processes_below_the_worker_report_their_memory():
+    """vLLM's engine core is a process of its own: its memory is read at each scrape, summed with the
+    rest below the worker (here a child holding 64 MiB, and its own child holding 32 MiB)."""
+    port = free_port()
+    hold = ("import subprocess, sys, time; b = bytearray({mib} << 20); b[::4096] = b'x' * len(b[::4096]); "
+            "{then}; print('held', flush=True); time.sleep(60)")
+    grandchild = hold.format(mib=32, then="pass")
+    child = subprocess.Popen([sys.executable, "-c", hold.format(
+        mib=64, then=f"g = subprocess.Popen([sys.executable, '-c', {grandchild!r}], stdout=subprocess.PIPE); "
+                     "g.stdout.readline()")], stdout=subprocess.PIPE)
+    ops, below = OpsServer("127.0.0.1", port, lambda: (True, {})), []
+    await ops.start()
+    try:
+        assert child.stdout.readline() == b"held\n"
+        below = engine_guard.descendants(engine_guard.parents(), child.pid)
+        held = await scraped(port)
+        assert held >= (64 + 32) << 20
+        child.kill()
+        child.wait()  # its child, orphaned, is no longer below this process either
+        assert await scraped(port) < held - (80 << 20)
+    finally:
+        child.kill()
+        for pid in below:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        await ops.stop()
+
+
+async def scraped(port: int) -> float:
+    body = (await http_get(port, "/metrics"))[1]
+    return float(re.search(r"^sluice_engine_processes_resident_bytes (\S+)$", body, re.M).group(1))
 
 
 async def test_a_client_that_never_finishes_its_request_blocks_no_probe():
