@@ -49,18 +49,10 @@ def lengths(tokens: int, stride: int) -> list[int]:
 
 def engine_cache_env() -> list[str | None]:
     """The cache capacity each process below this one started with (what oneDNN read there)."""
-    from worker.engine_guard import descendants, parents
+    from worker.engine_guard import descendants, parents, started_environ
 
-    found = []
-    for pid in sorted(descendants(parents(), os.getpid())):
-        try:
-            raw = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue
-        pairs = dict(item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item)
-        value = pairs.get(CACHE_ENV.encode())
-        found.append(None if value is None else value.decode())
-    return found
+    started = (started_environ(pid) for pid in sorted(descendants(parents(), os.getpid())))
+    return [env.get(CACHE_ENV) for env in started if env is not None]
 
 
 async def mixed_load(engine, rng: random.Random, vocab: int, requests: int) -> dict:

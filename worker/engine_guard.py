@@ -72,6 +72,16 @@ def resident_bytes(pid: int, proc: Path = PROC) -> int:
     return 0
 
 
+def started_environ(pid: int, proc: Path = PROC) -> dict[str, str] | None:
+    """The environment a process started with (what its loader, libgomp and oneDNN read); None if gone."""
+    try:
+        raw = (proc / str(pid) / "environ").read_bytes()
+    except OSError:
+        return None
+    pairs = [item.split(b"=", 1) for item in raw.split(b"\0") if b"=" in item]
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
+
+
 def resident_bytes_below(root: int, proc: Path = PROC) -> int:
     """The resident memory of every process below `root`, summed."""
     return sum(resident_bytes(pid, proc) for pid in descendants(parents(proc), root))

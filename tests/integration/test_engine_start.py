@@ -14,13 +14,6 @@ from worker.engine import ONEDNN_CACHE_ENV, GenParams
 pytestmark = pytest.mark.integration
 
 
-def _environ(pid: int) -> dict[str, str]:
-    """The environment a process started with (what its loader and libgomp read)."""
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
-    return {k.decode(): v.decode() for k, v in pairs}
-
-
 async def test_engine_core_is_forked_from_the_forkserver_and_runs_the_model_itself(engine):
     if engine.device != "cpu" or engine.config.engine_start != "inprocess":
         pytest.fail(f"this test needs the CPU engine with SLUICE_ENGINE_START=inprocess (the default), not "
@@ -33,7 +26,7 @@ async def test_engine_core_is_forked_from_the_forkserver_and_runs_the_model_itse
     assert len(cores) == 1, f"expected one engine core forked by the forkserver, found {cores}"
     assert not [p for p, pp in parent_of.items() if pp == cores[0]], "the engine core started a model runner"
     # the forkserver, and so the engine core forked from it, started with the binding vLLM chose
-    started_with = _environ(servers[0])
+    started_with = engine_guard.started_environ(servers[0])
     wanted = omp_binding.expected(engine._llm.vllm_config)
     assert {k: started_with.get(k, "") for k in wanted} == wanted
     assert "libgomp" in started_with["LD_PRELOAD"]

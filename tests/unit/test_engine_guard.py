@@ -1,5 +1,6 @@
 """The engine guard's process bookkeeping, on a fake /proc."""
 
+import os
 import subprocess
 import sys
 import time
@@ -268,3 +269,17 @@ def test_a_close_after_the_guard_died_still_kills_the_leftovers():
     finally:
         left.kill()
         left.wait()
+
+
+def test_started_environ_is_what_a_process_started_with():
+    child = subprocess.Popen([sys.executable, "-c", "import os, time; os.environ['LATER'] = '1'; print(flush=True); "
+                              "time.sleep(30)"], env={**os.environ, "SLUICE_TEST_STARTED": "yes"},
+                             stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()  # past its exec: before, /proc shows the environment of this process
+        env = g.started_environ(child.pid)
+        assert env["SLUICE_TEST_STARTED"] == "yes" and "LATER" not in env
+    finally:
+        child.kill()
+        child.wait()
+    assert g.started_environ(child.pid) is None  # gone
