@@ -18,6 +18,7 @@ from aiokafka.errors import MessageSizeTooLargeError, UnknownTopicOrPartitionErr
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from worker.answers import Progress
+from worker.reply_batches import BrokerUnanswered
 
 
 class MemoryBroker:
@@ -31,6 +32,7 @@ class MemoryBroker:
         self.auto_create = True
         self.created: set[str] = set()
         self.deleted: set[str] = set()  # what metadata says no longer exists (records kept: reads go on)
+        self.unreachable = False  # True: metadata requests get no answer (a broker killed or cut off)
 
     def create(self, *topics: str) -> None:
         self.created.update(topics)
@@ -226,7 +228,12 @@ class MemoryProducer:
             raise MessageSizeTooLargeError(f"{size} bytes")
         return self.broker.append(topic, value, key, headers, partition=0)
 
-    async def unusable_topics(self, topics, timeout_s: float, cached: bool = True) -> dict[str, str]:
+    async def unusable_topics(self, topics, timeout_s: float, cached: bool = True,
+                              strict: bool = False) -> dict[str, str]:
+        if self.broker.unreachable:
+            if strict:
+                raise BrokerUnanswered("KafkaConnectionError('connection refused (in-memory broker)')")
+            return {}
         return {t: "does not exist" for t in topics if not self.broker.exists(t)}
 
     async def send(self, topic, value=None, key=None, headers=None):

@@ -100,8 +100,9 @@ class Emitter:
 
     async def own_topics_unusable(self, topics: list[str]) -> dict[str, str]:
         """Of the worker's own topics, those the broker says cannot be used (asked afresh every time:
-        a deleted topic stays in the client's metadata until its next refresh)."""
-        return await self._producer.unusable_topics(topics, TOPIC_LOOKUP_S, cached=False)
+        a deleted topic stays in the client's metadata until its next refresh). Raises
+        `BrokerUnanswered` when no broker answers."""
+        return await self._producer.unusable_topics(topics, TOPIC_LOOKUP_S, cached=False, strict=True)
 
     @staticmethod
     def _headers(request_id: str) -> list[tuple[str, bytes]]:

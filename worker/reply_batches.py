@@ -29,6 +29,10 @@ from worker import topic_metadata
 _HASHES_KEPT = 16_384
 
 
+class BrokerUnanswered(Exception):
+    """No broker answered the client: none known, the connection refused, or no answer in time."""
+
+
 class BatchingProducer:
     def __init__(self, producer, max_queued: int = 50_000):
         self._inner = producer
@@ -56,23 +60,34 @@ class BatchingProducer:
             await asyncio.wait(list(self._drainers.values()))
         await self._inner.stop()
 
-    async def unusable_topics(self, topics, timeout_s: float, cached: bool = True) -> dict[str, str]:
+    async def unusable_topics(self, topics, timeout_s: float, cached: bool = True,
+                              strict: bool = False) -> dict[str, str]:
         """Of `topics`, those the broker says do not exist, or that this client may not write, with why.
         `cached`: topics this client knows partitions of are taken as fine without asking.
 
         Asked in one metadata request that does not create topics: aiokafka's `send` would ask for
         the topic's metadata with auto-creation on, and where the broker does not create topics it
         retries for the whole request timeout (40 s) before every record to a missing topic. A broker
-        that cannot be asked within `timeout_s` names none; sending then finds out as it always did.
+        that cannot be asked within `timeout_s` names none (sending then finds out as it always did),
+        or, if `strict`, raises `BrokerUnanswered` saying why.
         """
         client = self._inner.client
         ask = [t for t in topics if not cached or client.cluster.partitions_for_topic(t) is None]
-        node = client.get_random_node() if ask else None
-        if node is None:
+        if not ask:
             return {}
+        node = client.get_random_node()
         try:
-            response = await asyncio.wait_for(client.send(node, topic_metadata.request(ask)), timeout_s)
-        except (KafkaError, asyncio.TimeoutError, OSError):
+            if node is None:
+                raise BrokerUnanswered("no broker known to the Kafka client")
+            try:
+                response = await asyncio.wait_for(client.send(node, topic_metadata.request(ask)), timeout_s)
+            except asyncio.TimeoutError:
+                raise BrokerUnanswered(f"no answer to a metadata request within {timeout_s:g} s") from None
+            except (KafkaError, OSError) as exc:
+                raise BrokerUnanswered(repr(exc)[:200]) from None
+        except BrokerUnanswered:
+            if strict:
+                raise
             return {}
         return topic_metadata.problems(response)
 

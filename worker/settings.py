@@ -232,6 +232,9 @@ class HealthSettings(_Section):
     # How often the worker asks the broker whether its own topics (the request topics it reads, the
     # reply, dead-letter and audit topics) still exist; two answers in a row saying one is gone fail it.
     topic_check_interval_s: Seconds = 10.0
+    # No broker answering those asks for this long fails the worker, busy or idle: the Kafka client
+    # retries an unreachable broker for ever, and an idle worker has no reply or commit to fail.
+    broker_outage_s: Seconds = 120.0
 
 
 class WorkerSettings(_Section):

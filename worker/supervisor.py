@@ -17,6 +17,7 @@ import time
 import structlog
 
 from worker import metrics
+from worker.reply_batches import BrokerUnanswered
 
 log = structlog.get_logger("sluice.supervisor")
 
@@ -80,19 +81,26 @@ class Supervisor:
 
 
 async def watch_topics(supervisor: Supervisor, unusable, topics: list[str], interval_s: float,
-                       confirm: int = 2) -> None:
+                       confirm: int = 2, liveness: Liveness | None = None) -> None:
     """Fail the worker when one of its own topics is gone: deleted (an operator's script, a removed
     KafkaTopic resource) or no longer described for its credentials.
 
     The Kafka client retries a deleted topic's fetches for ever behind a green `/readyz`, and a
     class would go unserved without a word. `unusable(topics)` asks the broker without creating
-    anything and names none when the broker cannot be asked (an outage is the reply path's to
-    notice); a topic must be named `confirm` times in a row.
+    anything; a topic must be named `confirm` times in a row. When no broker answers it raises
+    `BrokerUnanswered`: that goes to `liveness` (the monitor bounds it), and names no topic.
     """
     strikes: dict[str, int] = {}
     while supervisor.failure is None:
         await asyncio.sleep(interval_s)
-        found = await unusable(topics)
+        try:
+            found = await unusable(topics)
+        except BrokerUnanswered as exc:
+            if liveness is not None:
+                liveness.broker_unanswered(str(exc))
+            continue
+        if liveness is not None:
+            liveness.broker_answered()
         strikes = {t: strikes.get(t, 0) + 1 for t in found}
         gone = {t: why for t, why in found.items() if strikes[t] >= confirm}
         if gone:
@@ -124,14 +132,29 @@ async def watch_guards(supervisor: Supervisor, guards, interval_s: float = 1.0) 
                 failing.add(i)
 
 class Liveness:
-    """Time stamps the health monitor reads: engine progress, each intake loop's last poll, and since
-    when the worker has been outside its consumer group (None: a member)."""
+    """Time stamps the health monitor reads: engine progress, each intake loop's last poll, since
+    when the worker has been outside its consumer group (None: a member), and when a broker last
+    answered the topic watch."""
 
     def __init__(self, classes):
         now = time.monotonic()
         self.engine_progress = now
         self.polls = {cls: now for cls in classes}
         self.out_of_group_since: float | None = None
+        self.broker_answered_at = now
+        self.broker_silence: str | None = None  # why the latest ask got no answer; None once one does
+
+    def broker_answered(self) -> None:
+        self.broker_answered_at = time.monotonic()
+        self.broker_silence = None
+
+    def broker_unanswered(self, why: str) -> None:
+        self.broker_silence = why
+
+    def broker_outage_for(self, now: float) -> float:
+        """Seconds since a broker last answered, once an ask has gone unanswered (0 while they answer):
+        counted from the last answer, so the check's interval does not add to the bound."""
+        return 0.0 if self.broker_silence is None else now - self.broker_answered_at
 
     def group_left(self) -> None:
         """A join begins (at start, or a rebalance revoked this worker's partitions)."""
@@ -153,9 +176,10 @@ class Liveness:
 
 async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emitter, commits, *, stall_s: float,
                   poll_stall_s: float, health_interval_s: float, outage_s: float, commit_outage_s: float,
-                  group_join_s: float, tick_s: float = 0.5) -> None:
+                  group_join_s: float, broker_outage_s: float = 120.0, tick_s: float = 0.5) -> None:
     """Fail the worker when the engine is dead or stalled, an intake loop stopped, replies cannot go out,
-    offsets cannot be committed, or a rejoin of its consumer group does not complete.
+    offsets cannot be committed, a rejoin of its consumer group does not complete, or no broker has
+    answered for `broker_outage_s`.
 
     `busy()` is true while requests wait for or hold an engine slot: only then does a
     lack of engine progress mean a stall.
@@ -186,6 +210,11 @@ async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emit
             # a join the coordinator holds raises nothing: aiokafka waits on it for ever
             supervisor.fail(f"group rejoin not completed after {liveness.out_of_group_for(now):.0f} s "
                             f"(SLUICE_GROUP_JOIN_S={group_join_s:g}): outside its consumer group the worker reads nothing")
+        if liveness.broker_outage_for(now) > broker_outage_s:
+            # an idle worker has no reply or commit to fail: its consumer retries an unreachable
+            # broker for ever, and every poll still returns (empty) behind a green /readyz
+            supervisor.fail(f"broker unanswered for {liveness.broker_outage_for(now):.0f} s "
+                            f"(SLUICE_BROKER_OUTAGE_S={broker_outage_s:g}): {liveness.broker_silence}")
         if now - last_health >= health_interval_s:
             last_health = now
             try:

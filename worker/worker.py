@@ -247,11 +247,13 @@ class Worker:
         sup.spawn("monitor", monitor(sup, self.liveness, self.engine, self.dispatch.busy, self.emitter, self.commits,
                                      stall_s=s.health.engine_stall_s, poll_stall_s=s.health.intake_stall_s,
                                      health_interval_s=s.health.engine_health_interval_s, outage_s=s.health.reply_outage_s,
-                                     commit_outage_s=s.health.commit_outage_s, group_join_s=s.health.group_join_s))
+                                     commit_outage_s=s.health.commit_outage_s, group_join_s=s.health.group_join_s,
+                                     broker_outage_s=s.health.broker_outage_s))
         guards = [g for g in (self.group_guard, getattr(self.engine, "guard", None)) if g is not None]
         sup.spawn("guard-watch", watch_guards(sup, guards))
         sup.spawn("topic-watch", watch_topics(sup, self.emitter.own_topics_unusable,
-                                              [t.name for t in self.catalog.topic], s.health.topic_check_interval_s))
+                                              [t.name for t in self.catalog.topic], s.health.topic_check_interval_s,
+                                              liveness=self.liveness))
         self._started = True
         log.info("worker_started", group=s.group.id, topics=list(self._topics))
 
@@ -335,6 +337,7 @@ class Worker:
             "reply_outage_s": round(self.emitter.outage_for(), 1),
             "commit_outage_s": round(self.commits.outage_for(), 1),
             "out_of_group_s": round(self.liveness.out_of_group_for(now), 1),
+            "broker_outage_s": round(self.liveness.broker_outage_for(now), 1),
         }
         if self.supervisor.failure is not None:
             details["failure"] = self.supervisor.failure

@@ -269,6 +269,34 @@ async def test_unusable_topics_are_read_from_a_metadata_request_that_creates_non
     assert await producer.unusable_topics(["team.gone"], 0.05) == {}
 
 
+@pytest.mark.parametrize("broker,why", [
+    ("silent", "no answer to a metadata request within 0.05 s"),
+    ("refusing", "KafkaConnectionError('Connection at localhost:1 closed')"),
+    ("none known", "no broker known to the Kafka client"),
+])
+async def test_a_strict_lookup_says_why_no_broker_answered(broker, why):
+    """The worker's own topic watch asks strictly: no answer is not "every topic fine" but an outage,
+    which the health monitor bounds (SLUICE_BROKER_OUTAGE_S)."""
+    from aiokafka.errors import KafkaConnectionError
+
+    from worker.reply_batches import BrokerUnanswered
+
+    inner = AIOKafkaProducer(bootstrap_servers="localhost:1")
+
+    async def send(node, request):
+        if broker == "refusing":
+            raise KafkaConnectionError("Connection at localhost:1 closed")
+        await asyncio.sleep(5)
+
+    inner.client.get_random_node = lambda: None if broker == "none known" else 7
+    inner.client.send = send
+    producer = BatchingProducer(inner)
+    with pytest.raises(BrokerUnanswered) as raised:
+        await producer.unusable_topics(["team.a"], 0.05, cached=False, strict=True)
+    assert str(raised.value) == why
+    assert await producer.unusable_topics(["team.a"], 0.05, cached=False) == {}  # not strict: names none
+
+
 def _request_struct(version: int):
     from aiokafka.protocol import metadata
 

@@ -6,6 +6,7 @@ seconds, with the reason, and `run_worker` returns 1 (the process's exit code) w
 """
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -165,6 +166,46 @@ async def test_a_topic_of_the_worker_deleted_while_it_runs_fails_the_worker(monk
     since = time.monotonic()
     mem.broker.delete(CATALOG.request_topic("realtime").name)
     await run.fails_closed(since, f"topics of the worker {CATALOG.request_topic('realtime').name} does not exist")
+
+
+async def test_an_idle_worker_no_broker_answers_fails_closed(monkeypatch):
+    """A broker killed or cut off: the Kafka client retries it for ever and an idle worker has no reply
+    or commit to fail, so it stayed ready for as long as the broker was away (seen by hand with the
+    embedded broker killed: 200 for 4.5 minutes). Now the topic watch's unanswered asks fail it."""
+    mem = Memory(engine=FakeEngine(), topic_check_interval_s=0.2, broker_outage_s=1.5)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    since = time.monotonic()
+    mem.broker.unreachable = True
+    assert await asyncio.wait_for(run.task, 10) == 1  # nothing to drain: it exits at once
+    assert 1.2 <= time.monotonic() - since < 4  # counted from the last answer, up to one 0.2 s interval before
+    assert run.worker.supervisor.failure == ("broker unanswered for 2 s (SLUICE_BROKER_OUTAGE_S=1.5): "
+                                             "KafkaConnectionError('connection refused (in-memory broker)')")
+
+
+async def test_a_busy_worker_no_broker_answers_says_503_naming_it(monkeypatch):
+    mem, run = await started_busy(monkeypatch, topic_check_interval_s=0.2, broker_outage_s=1.5)
+    since = time.monotonic()
+    mem.broker.unreachable = True
+    await run.fails_closed(since, "broker unanswered for 2 s (SLUICE_BROKER_OUTAGE_S=1.5)")
+
+
+async def test_a_broker_away_for_less_than_the_bound_is_ridden_out(monkeypatch):
+    """/readyz shows the outage while it lasts, and it ends when a broker answers again."""
+    mem = Memory(engine=FakeEngine(), topic_check_interval_s=0.2, broker_outage_s=3)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    mem.broker.unreachable = True
+    await asyncio.sleep(1.5)
+    status, body = await http_get(run.port, "/readyz")
+    assert status == 200 and json.loads(body)["broker_outage_s"] >= 1.0, body
+    mem.broker.unreachable = False
+    await asyncio.sleep(3)
+    status, body = await http_get(run.port, "/readyz")
+    assert status == 200 and json.loads(body)["broker_outage_s"] == 0.0, body
+    assert not run.task.done()
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert await asyncio.wait_for(run.task, 10) == 0
 
 
 WATCHED = {
