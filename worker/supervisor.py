@@ -91,6 +91,8 @@ async def watch_topics(supervisor: Supervisor, unusable, topics: list[str], inte
     `BrokerUnanswered`: that goes to `liveness` (the monitor bounds it), and names no topic.
     """
     strikes: dict[str, int] = {}
+    if liveness is not None:
+        liveness.broker_answered()  # the start's group join was the last answer, not the worker's creation
     while supervisor.failure is None:
         await asyncio.sleep(interval_s)
         try:

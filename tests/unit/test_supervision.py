@@ -208,6 +208,29 @@ async def test_a_broker_away_for_less_than_the_bound_is_ridden_out(monkeypatch):
     assert await asyncio.wait_for(run.task, 10) == 0
 
 
+async def test_a_broker_outage_counts_from_the_start_at_the_earliest():
+    """A worker is built before its engine loads (minutes on a large model): an outage that begins at
+    the first ask after the start counts from the start's group join, not from the worker's creation."""
+    from worker.reply_batches import BrokerUnanswered
+    from worker.supervisor import Liveness, Supervisor, watch_topics
+
+    sup, liveness, asked = Supervisor(), Liveness(["realtime"]), []
+    liveness.broker_answered_at -= 600  # built ten minutes before its start
+
+    async def unusable(topics):
+        asked.append(time.monotonic())
+        raise BrokerUnanswered("no answer to a metadata request within 2 s")
+
+    started = time.monotonic()
+    task = asyncio.create_task(watch_topics(sup, unusable, ["t.a"], interval_s=0.01, liveness=liveness))
+    while not asked:
+        await asyncio.sleep(0.005)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert liveness.broker_silence == "no answer to a metadata request within 2 s"
+    assert 0 < liveness.broker_outage_for(time.monotonic()) <= time.monotonic() - started
+
+
 WATCHED = {
     # the broker's answers, one per check, and whether the worker fails
     "fine": ([{}, {}, {}], None),
