@@ -209,13 +209,14 @@ async def test_a_broker_away_for_less_than_the_bound_is_ridden_out(monkeypatch):
 
 
 async def test_a_broker_outage_counts_from_the_start_at_the_earliest():
-    """A worker is built before its engine loads (minutes on a large model): an outage that begins at
-    the first ask after the start counts from the start's group join, not from the worker's creation."""
+    """A worker is built before its start checks and first group join (which may take up to
+    SLUICE_GROUP_JOIN_S): an outage that begins at the first ask after the start counts from the
+    start, not from the worker's creation."""
     from worker.reply_batches import BrokerUnanswered
     from worker.supervisor import Liveness, Supervisor, watch_topics
 
     sup, liveness, asked = Supervisor(), Liveness(["realtime"]), []
-    liveness.broker_answered_at -= 600  # built ten minutes before its start
+    liveness.broker_answered_at -= 110  # built before a first group join that took 110 s
 
     async def unusable(topics):
         asked.append(time.monotonic())
