@@ -75,21 +75,25 @@ class BatchingProducer:
         ask = [t for t in topics if not cached or client.cluster.partitions_for_topic(t) is None]
         if not ask:
             return {}
-        node = client.get_random_node()
         try:
-            if node is None:
-                raise BrokerUnanswered("no broker known to the Kafka client")
-            try:
-                response = await asyncio.wait_for(client.send(node, topic_metadata.request(ask)), timeout_s)
-            except asyncio.TimeoutError:
-                raise BrokerUnanswered(f"no answer to a metadata request within {timeout_s:g} s") from None
-            except (KafkaError, OSError) as exc:
-                raise BrokerUnanswered(repr(exc)[:200]) from None
+            response = await self._ask_metadata(ask, timeout_s)
         except BrokerUnanswered:
             if strict:
                 raise
             return {}
         return topic_metadata.problems(response)
+
+    async def _ask_metadata(self, topics, timeout_s: float):
+        client = self._inner.client
+        node = client.get_random_node()
+        if node is None:
+            raise BrokerUnanswered("no broker known to the Kafka client")
+        try:
+            return await asyncio.wait_for(client.send(node, topic_metadata.request(topics)), timeout_s)
+        except asyncio.TimeoutError:
+            raise BrokerUnanswered(f"no answer to a metadata request within {timeout_s:g} s") from None
+        except (KafkaError, OSError) as exc:
+            raise BrokerUnanswered(repr(exc)[:200]) from None
 
     async def send(self, topic, value=None, key=None, headers=None) -> asyncio.Future:
         """Queue one record; the future is done when its batch was delivered (or failed).
