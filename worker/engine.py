@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 from collections.abc import AsyncIterator
@@ -47,6 +48,10 @@ class EngineDead(RuntimeError):
     """The engine cannot serve any more requests; the worker must stop."""
 
 
+class EngineUnanswered(RuntimeError):
+    """An idle engine's own process did not answer a round trip in time (frozen, or hung)."""
+
+
 class Engine(Protocol):
     max_model_len: int
     tokenizer_id: str  # what its token ids mean (`prompt_tokens.tokenizer_fingerprint`)
@@ -63,7 +68,9 @@ class Engine(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
-    async def check_health(self) -> None: ...
+    async def check_health(self, timeout_s: float) -> None:
+        """Raise when the engine cannot serve: dead, or (idle) not answering within `timeout_s`."""
+        ...
 
     def shutdown(self) -> None: ...
 
@@ -427,8 +434,25 @@ class VllmEngine:
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
 
-    async def check_health(self) -> None:
+    async def check_health(self, timeout_s: float) -> None:
+        """vLLM's own check reads a flag set when its engine core dies: a frozen or hung engine core
+        passes it, and an idle worker looked ready until its first request waited out the stall
+        bound (by hand: 120 s, then drain and exit). So an idle engine is also asked a round trip to
+        its engine core. A busy one is not: one step may take longer than `timeout_s` there
+        (a long prefill on CPU), and the stall check covers it."""
         await self._llm.check_health()
+        if self._busy():
+            return
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._llm.is_sleeping()  # a utility call: answered by the engine core between steps
+        except TimeoutError:
+            if not self._busy():  # work that came meanwhile waits one step: the stall check's to judge
+                raise EngineUnanswered(f"the idle engine core did not answer a round trip within {timeout_s:g} s "
+                                       f"(frozen or hung)") from None
+
+    def _busy(self) -> bool:
+        return self._llm.output_processor.has_unfinished_requests()
 
     async def reset_prefix_cache(self) -> None:
         """Forget the local prefix cache (tests and benchmarks: force a lookup in Redis)."""

@@ -66,7 +66,7 @@ class FakeEngine:
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 
-    async def check_health(self) -> None:
+    async def check_health(self, timeout_s: float) -> None:
         return None
 
     def shutdown(self) -> None:

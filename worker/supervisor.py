@@ -220,8 +220,9 @@ async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emit
         if now - last_health >= health_interval_s:
             last_health = now
             try:
-                async with asyncio.timeout(max(1.0, health_interval_s)):
-                    await engine.check_health()
+                answer_s = max(1.0, health_interval_s)
+                async with asyncio.timeout(answer_s + 5):  # the engine's own bound, and a margin for a hung check
+                    await engine.check_health(answer_s)
             except Exception as exc:  # noqa: BLE001 - any failure of the check means the engine cannot serve
                 metrics.engine_up.set(0)
                 supervisor.fail(f"engine unhealthy: {exc!r}")

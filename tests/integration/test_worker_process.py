@@ -141,6 +141,39 @@ async def test_stalled_engine_fails_the_worker_closed(settings, catalog, model_d
     assert '"worker_failed"' in worker_log and '"worker_exiting"' in worker_log
 
 
+async def test_an_idle_worker_whose_engine_freezes_fails_closed(settings, catalog, model_dir, tmp_path):
+    """The real engine frozen (SIGSTOP) under an idle worker: vLLM's own health check passes a frozen
+    engine core, so before the idle round trip the worker stayed ready until a request came and
+    waited out the stall bound. Now /readyz turns 503 within the health interval and the round
+    trip's bound, and `sluice worker` exits non-zero. An idle engine that answers is not failed."""
+    proc, port, _ = await start_worker(catalog, model_dir, tmp_path, SLUICE_ENGINE_HEALTH_INTERVAL_S="2",
+                                       SLUICE_DRAIN_GRACE_S="3", SLUICE_KV_PAGES="false")
+    frozen: list[int] = []
+    try:
+        await asyncio.sleep(7)  # three idle round trips, answered
+        assert http_get(port, "/readyz")[0] == 200, (tmp_path / "worker.log").read_text()[-3000:]
+        frozen = _engine_processes(proc.pid)
+        assert frozen, "no engine process was found"
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        saw_503 = await first_503_until_exit(proc, port, stopped_at, limit_s=90, step_s=0.2)
+        rc = proc.poll()
+    finally:
+        for pid in frozen:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        if proc.poll() is None:
+            proc.kill()
+    worker_log = (tmp_path / "worker.log").read_text()
+    assert saw_503 is not None and "EngineUnanswered" in saw_503[1], (saw_503, worker_log[-3000:])
+    assert saw_503[0] < 2 + 2 + 3, saw_503  # the health interval, the round trip's bound, the monitor's tick
+    assert rc not in (None, 0), (rc, worker_log[-3000:])
+
+
 async def _loading_engine(proc, log) -> dict[int, int]:
     """Once a starting worker's engine core exists, and before the engine is ready: {pid: start time} of
     every process under the worker (engine core, forkserver, guards)."""

@@ -401,7 +401,7 @@ async def test_engine_health_check_failure(monkeypatch):
     class Dying(FakeEngine):
         healthy = True
 
-        async def check_health(self):
+        async def check_health(self, timeout_s):
             if not self.healthy:
                 raise RuntimeError("EngineCore died")
 
