@@ -99,6 +99,26 @@ def _engine_processes(worker_pid: int) -> list[int]:
     return out
 
 
+def _freeze_engine(worker_pid: int) -> list[int]:
+    """SIGSTOP the vLLM engine processes under a worker: their pids."""
+    frozen = _engine_processes(worker_pid)
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    return frozen
+
+
+def _end_frozen(frozen: list[int], proc) -> None:
+    """However a test ends: the frozen engine processes woken and killed, the worker killed if it still runs."""
+    for pid in frozen:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    if proc.poll() is None:
+        proc.kill()
+
+
 async def test_stalled_engine_fails_the_worker_closed(settings, catalog, model_dir, tmp_path):
     """The real engine frozen (SIGSTOP) with a request in flight: /readyz turns 503 with the reason
     and `sluice worker` exits non-zero, instead of holding its partitions while looking alive."""
@@ -116,9 +136,7 @@ async def test_stalled_engine_fails_the_worker_closed(settings, catalog, model_d
         while not frozen and time.monotonic() < deadline:
             async for r in reader.records():
                 if isinstance(r, TokenReply) and not frozen:
-                    frozen = _engine_processes(proc.pid)
-                    for pid in frozen:
-                        os.kill(pid, signal.SIGSTOP)
+                    frozen = _freeze_engine(proc.pid)
         await reader.stop()
         assert frozen, "no token arrived, or no engine process was found"
         stopped_at = time.monotonic()
@@ -126,14 +144,7 @@ async def test_stalled_engine_fails_the_worker_closed(settings, catalog, model_d
         rc = proc.poll()
         exited_after = time.monotonic() - stopped_at
     finally:
-        for pid in frozen:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-        if proc.poll() is None:
-            proc.kill()
+        _end_frozen(frozen, proc)
     worker_log = (tmp_path / "worker.log").read_text()
     assert saw_503 is not None and "engine stalled" in saw_503[1], (saw_503, worker_log[-3000:])
     assert saw_503[0] < 5 + 5, saw_503  # the stall bound plus the monitor's tick
@@ -152,22 +163,13 @@ async def test_an_idle_worker_whose_engine_freezes_fails_closed(settings, catalo
     try:
         await asyncio.sleep(7)  # three idle round trips, answered
         assert http_get(port, "/readyz")[0] == 200, (tmp_path / "worker.log").read_text()[-3000:]
-        frozen = _engine_processes(proc.pid)
+        frozen = _freeze_engine(proc.pid)
         assert frozen, "no engine process was found"
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
         saw_503 = await first_503_until_exit(proc, port, stopped_at, limit_s=90, step_s=0.2)
         rc = proc.poll()
     finally:
-        for pid in frozen:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-        if proc.poll() is None:
-            proc.kill()
+        _end_frozen(frozen, proc)
     worker_log = (tmp_path / "worker.log").read_text()
     assert saw_503 is not None and "EngineUnanswered" in saw_503[1], (saw_503, worker_log[-3000:])
     assert saw_503[0] < 2 + 2 + 3, saw_503  # the health interval, the round trip's bound, the monitor's tick
