@@ -173,7 +173,7 @@ class Dispatcher:
             return
         if isinstance(exc, EngineDead):
             metrics.engine_up.set(0)
-            self.supervisor.fail(f"engine dead: {exc}")
+            self.supervisor.fail(f"engine dead: {exc}", drain=False)
         else:
             log.error("reply_failed", error=repr(exc), partition=getattr(tp, "partition", None), offset=offset,
                       exc_info=exc)

@@ -72,7 +72,16 @@ class Engine(Protocol):
         """Raise when the engine cannot serve: dead, or (idle) not answering within `timeout_s`."""
         ...
 
+    def cpu_times(self) -> dict[int, float] | None:
+        """While the engine holds requests, the CPU seconds each of its processes has used so far
+        (`worker/engine_frozen.py`); None while it holds none, or when it has no processes of its own."""
+        ...
+
     def shutdown(self) -> None: ...
+
+    async def close(self) -> None:
+        """`shutdown()` without holding the event loop (the worker's /readyz still answers meanwhile)."""
+        ...
 
 
 def kv_connector_config(settings, fingerprint: str) -> dict:
@@ -454,6 +463,9 @@ class VllmEngine:
     def _busy(self) -> bool:
         return self._llm.output_processor.has_unfinished_requests()
 
+    def cpu_times(self) -> dict[int, float] | None:
+        return self.guard.cpu_times() if self._busy() else None
+
     async def reset_prefix_cache(self) -> None:
         """Forget the local prefix cache (tests and benchmarks: force a lookup in Redis)."""
         await self._llm.reset_prefix_cache()
@@ -470,6 +482,17 @@ class VllmEngine:
     def unfinished(self) -> int:
         """Requests the engine still holds (running or waiting)."""
         return self._llm.output_processor.get_num_unfinished_requests()
+
+    async def close(self) -> None:
+        """vLLM's shutdown waits for its engine core to exit, which a frozen one never does until it is
+        killed, and on the event loop that wait had /readyz unanswered (after a failure's 503) until the
+        worker gave up. So it runs in a thread, once the one task that reads the engine's output socket
+        on the loop has ended: zmq sockets are not to be shared between threads."""
+        handler = getattr(self._llm, "output_handler", None)
+        if handler is not None:
+            handler.cancel()
+            await asyncio.gather(handler, return_exceptions=True)
+        await asyncio.to_thread(self.shutdown)
 
     def shutdown(self) -> None:
         self._llm.shutdown()

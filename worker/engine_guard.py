@@ -26,6 +26,7 @@ STAND_DOWN = b"stand-down"  # the last line of a clean shutdown
 KILLED_WAIT_S = 1.0  # how long `end_descendants` waits for what it SIGKILLed to go
 CLOSE_WAIT_S = 2.0  # how long the engine's processes may outlast its shutdown before they are killed
 FOLLOW_S = 0.25  # how often the processes under a loading engine are looked for
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # /proc's unit of CPU time
 
 
 def stat_fields(pid: int, proc: Path = PROC) -> list[str] | None:
@@ -35,6 +36,11 @@ def stat_fields(pid: int, proc: Path = PROC) -> list[str] | None:
     except OSError:
         return None
     return text[text.rindex(")") + 2:].split()
+
+
+def cpu_seconds(fields: list[str]) -> float:
+    """User and system CPU seconds of a process from its stat fields (fields 14 and 15)."""
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 def start_time(pid: int, proc: Path = PROC) -> int | None:
@@ -171,6 +177,15 @@ class EngineGuard:
             self._follower.join()
         self._tell_new()
         return list(self._watched)
+
+    def cpu_times(self, proc: Path = PROC) -> dict[int, float]:
+        """CPU seconds used so far by each watched process that is still the same process, running."""
+        out = {}
+        for pid, started in list(self._watched.items()):
+            fields = stat_fields(pid, proc)
+            if fields is not None and fields[0] != "Z" and int(fields[19]) == started:
+                out[pid] = cpu_seconds(fields)
+        return out
 
     def close(self, wait_s: float = CLOSE_WAIT_S) -> list[int]:
         """After the engine's shutdown: what it started should have ended with it. Whatever is still

@@ -69,5 +69,11 @@ class FakeEngine:
     async def check_health(self, timeout_s: float) -> None:
         return None
 
+    def cpu_times(self) -> dict[int, float] | None:
+        return None  # it runs on the worker's own loop: a frozen loop is the monitor's own lag
+
     def shutdown(self) -> None:
+        return None
+
+    async def close(self) -> None:
         return None

@@ -207,8 +207,8 @@ async def run_worker(settings: Settings, catalog: Catalog, engine=None, on_stopp
         log.error("device_unavailable", error=str(exc))
         return 1
     finally:
-        await ops.stop()
         if engine is not None:
-            engine.shutdown()
+            await engine.close()  # /readyz answers (503 after a failure) until the engine has ended
+        await ops.stop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

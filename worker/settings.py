@@ -27,6 +27,7 @@ Port = Annotated[int, Meta(ge=0, le=65535)]
 Positive = Annotated[int, Meta(ge=1)]
 NonNegative = Annotated[int, Meta(ge=0)]
 Seconds = Annotated[float, Meta(gt=0)]
+SecondsOrOff = Annotated[float, Meta(ge=0)]  # 0: the check is off
 ENV_PREFIX = "SLUICE_"
 ONEDNN_CACHE_DEFAULT = 64  # engine.onednn_cache_capacity; bench/engine_shapes.py
 
@@ -221,6 +222,10 @@ class HealthSettings(_Section):
     # reply could be produced this long, or when no offset could be committed this long while some
     # waited to be. Shorter broker outages are retried with back-off.
     engine_stall_s: Seconds = 120.0
+    # Requests in the engine, no progress and its processes using under 2% of a core this long: a frozen
+    # engine core (stopped, deadlocked, stuck in a device call that sleeps), failed long before the
+    # stall bound, which stays for an engine that computes and never outputs. 0: off.
+    engine_frozen_s: SecondsOrOff = 15.0
     engine_health_interval_s: Seconds = 10.0
     intake_stall_s: Seconds = 300.0  # a rebalance can hold a poll that long (max.poll.interval.ms)
     reply_outage_s: Seconds = 120.0

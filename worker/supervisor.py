@@ -17,6 +17,7 @@ import time
 import structlog
 
 from worker import metrics
+from worker.engine_frozen import FrozenWatch
 from worker.reply_batches import BrokerUnanswered
 
 log = structlog.get_logger("sluice.supervisor")
@@ -28,6 +29,7 @@ class Supervisor:
         self._spawned: set[str] = set()
         self.stopping = False
         self.failure: str | None = None
+        self.drain = True  # whether the shutdown after a failure waits for running requests
         self.failed = asyncio.Event()
 
     def spawn(self, name: str, coro) -> asyncio.Task:
@@ -55,11 +57,13 @@ class Supervisor:
         else:
             self.fail(f"{name} ended")
 
-    def fail(self, reason: str) -> None:
-        """The worker can no longer do its job: not ready from now on; `failed` wakes the drain."""
+    def fail(self, reason: str, drain: bool = True) -> None:
+        """The worker can no longer do its job: not ready from now on; `failed` wakes the drain.
+        `drain=False`: the engine cannot run, so no running request could finish in a drain."""
         if self.failure is not None:
             return
         self.failure = reason
+        self.drain = drain
         metrics.worker_failures.labels(reason.split(" ", 1)[0]).inc()
         log.error("worker_failed", reason=reason)
         self.failed.set()
@@ -178,25 +182,34 @@ class Liveness:
 
 async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emitter, commits, *, stall_s: float,
                   poll_stall_s: float, health_interval_s: float, outage_s: float, commit_outage_s: float,
-                  group_join_s: float, broker_outage_s: float = 120.0, tick_s: float = 0.5) -> None:
+                  group_join_s: float, broker_outage_s: float = 120.0, frozen_s: float = 0.0,
+                  tick_s: float = 0.5) -> None:
     """Fail the worker when the engine is dead or stalled, an intake loop stopped, replies cannot go out,
     offsets cannot be committed, a rejoin of its consumer group does not complete, or no broker has
     answered for `broker_outage_s`.
 
     `busy()` is true while requests wait for or hold an engine slot: only then does a
-    lack of engine progress mean a stall.
+    lack of engine progress mean a stall. A busy engine whose processes also stopped using CPU for
+    `frozen_s` is frozen (`worker/engine_frozen.py`), found well before the stall bound.
     """
     last_health = time.monotonic()
+    frozen = FrozenWatch(frozen_s)
     while supervisor.failure is None:
         asleep = time.monotonic()
         await asyncio.sleep(tick_s)
         now = time.monotonic()
         metrics.event_loop_lag.observe(max(0.0, now - asleep - tick_s))
         if busy():
+            frozen.sample(now, engine.cpu_times())
             if now - liveness.engine_progress > stall_s:
                 supervisor.fail(f"engine stalled: work waiting and no engine progress for "
-                                f"{now - liveness.engine_progress:.0f} s (SLUICE_ENGINE_STALL_S={stall_s:g})")
+                                f"{now - liveness.engine_progress:.0f} s (SLUICE_ENGINE_STALL_S={stall_s:g})", drain=False)
+            elif (used := frozen.frozen(now, liveness.engine_progress)) is not None:
+                supervisor.fail(f"engine frozen: requests in the engine and no progress for "
+                                f"{now - liveness.engine_progress:.0f} s, while its processes used {used:.2f} s of CPU "
+                                f"(SLUICE_ENGINE_FROZEN_S={frozen_s:g})", drain=False)
         else:
+            frozen.sample(now, None)
             liveness.engine_moved()  # idle is not stalled: the clock starts when work arrives
         for cls, at in liveness.polls.items():
             if now - at > poll_stall_s:
@@ -225,4 +238,4 @@ async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emit
                     await engine.check_health(answer_s)
             except Exception as exc:  # noqa: BLE001 - any failure of the check means the engine cannot serve
                 metrics.engine_up.set(0)
-                supervisor.fail(f"engine unhealthy: {exc!r}")
+                supervisor.fail(f"engine unhealthy: {exc!r}", drain=False)

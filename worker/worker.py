@@ -248,7 +248,7 @@ class Worker:
                                      stall_s=s.health.engine_stall_s, poll_stall_s=s.health.intake_stall_s,
                                      health_interval_s=s.health.engine_health_interval_s, outage_s=s.health.reply_outage_s,
                                      commit_outage_s=s.health.commit_outage_s, group_join_s=s.health.group_join_s,
-                                     broker_outage_s=s.health.broker_outage_s))
+                                     broker_outage_s=s.health.broker_outage_s, frozen_s=s.health.engine_frozen_s))
         guards = [g for g in (self.group_guard, getattr(self.engine, "guard", None)) if g is not None]
         sup.spawn("guard-watch", watch_guards(sup, guards))
         sup.spawn("topic-watch", watch_topics(sup, self.emitter.own_topics_unusable,
@@ -276,10 +276,14 @@ class Worker:
         # Requests still waiting were never started: left uncommitted, another worker reads them.
         for step in (self._final_commit, self._stop_consumer, self._close_group_guard, self.emitter.stop,
                      self.answers.stop):
+            began = time.monotonic()
             try:
                 await step()
             except Exception as exc:  # noqa: BLE001 - the rest of the shutdown still runs
                 log.warning("stop_step_failed", step=getattr(step, "__qualname__", str(step)), error=repr(exc))
+            if time.monotonic() - began > 1.0:  # which step a stuck shutdown waited on
+                log.info("stop_step_slow", step=getattr(step, "__qualname__", str(step)),
+                         seconds=round(time.monotonic() - began, 1))
         if self._gc_thresholds is not None:
             thaw_heap(self._gc_thresholds)
             self._gc_thresholds = None
@@ -322,9 +326,12 @@ class Worker:
         finally:
             waiter.cancel()
             failed.cancel()
+        # an engine that cannot run finishes nothing in a drain: its requests are let go at once, and
+        # the consumer leaves the group so that the other workers take its partitions now
+        grace = self.settings.worker.drain_grace_s if self.supervisor.drain else 0.0
         if on_stopping is not None:
-            on_stopping(self.settings.worker.drain_grace_s + self.settings.worker.stop_margin_s)
-        await self.stop()
+            on_stopping(grace + self.settings.worker.stop_margin_s)
+        await self.stop(grace)
         return 1 if self.supervisor.failure is not None else 0
 
     def health(self) -> tuple[bool, dict]:

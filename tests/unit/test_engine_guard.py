@@ -127,6 +127,32 @@ def test_a_close_kills_only_what_outlived_the_engine_shutdown():
             p.wait()
 
 
+def test_cpu_times_count_what_a_watched_process_computes_and_nothing_while_it_is_stopped():
+    guard = g.EngineGuard()
+    guard.before()
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    short = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    try:
+        assert set(guard.watch()) == {spin.pid, short.pid}
+        short.wait(timeout=10)
+        first = guard.cpu_times()
+        assert set(first) == {spin.pid}  # the one that ended is no longer counted
+        time.sleep(1.0)
+        computing = guard.cpu_times()[spin.pid] - first[spin.pid]
+        assert computing >= 0.1, computing  # a core's worth, less what other processes take from it
+        os.kill(spin.pid, 19)  # SIGSTOP
+        time.sleep(0.05)
+        stopped_at = guard.cpu_times()[spin.pid]
+        time.sleep(0.5)
+        assert guard.cpu_times()[spin.pid] == stopped_at
+    finally:
+        spin.kill()
+        short.kill()
+        for p in (spin, short):
+            p.wait()
+        guard.close(wait_s=0)
+
+
 def test_a_close_after_a_clean_shutdown_waits_for_nothing():
     guard = g.EngineGuard()
     guard.before()
