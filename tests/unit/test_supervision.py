@@ -438,23 +438,18 @@ class StuckEngine(FakeEngine):
         return {4242: 10.0 + self.cpu_per_s * (time.monotonic() - self.since)}
 
 
-async def test_a_busy_engine_that_stops_using_cpu_is_frozen_before_the_stall_bound(monkeypatch):
-    """...and its request is let go at once: the exit comes long before the drain's grace would end."""
-    mem = Memory(engine=StuckEngine(cpu_per_s=0.0), engine_stall_s=60.0, engine_frozen_s=1.5, drain_grace_s=30)
+@pytest.mark.parametrize("cpu_per_s, stall_s, reason", [
+    (0.0, 60.0, "engine frozen"),  # its processes stopped: found long before the stall bound
+    (1.0, 3.0, "engine stalled"),  # computing and never outputting: left to the stall bound
+])
+async def test_a_busy_engine_with_no_output_fails_by_its_cpu(monkeypatch, cpu_per_s, stall_s, reason):
+    """Either way its request is let go at once: the exit comes long before the drain's grace would end."""
+    mem = Memory(engine=StuckEngine(cpu_per_s), engine_stall_s=stall_s, engine_frozen_s=1.5, drain_grace_s=30)
     run = Run(monkeypatch, mem)
     await run.ready()
     since = time.monotonic()
     busy(mem)
-    await run.fails_closed(since, "engine frozen", drained=False)
-
-
-async def test_a_busy_engine_that_computes_is_left_to_the_stall_bound(monkeypatch):
-    mem = Memory(engine=StuckEngine(cpu_per_s=1.0), engine_stall_s=3.0, engine_frozen_s=1.5, drain_grace_s=30)
-    run = Run(monkeypatch, mem)
-    await run.ready()
-    since = time.monotonic()
-    busy(mem)
-    await run.fails_closed(since, "engine stalled", drained=False)
+    await run.fails_closed(since, reason, drained=False)
 
 
 async def test_intake_that_stops_polling(monkeypatch):
