@@ -48,10 +48,14 @@ def start_time(pid: int, proc: Path = PROC) -> int | None:
     return int(fields[19]) if fields else None  # field 22: start time in clock ticks since boot
 
 
+def _still(fields: list[str] | None, started: int) -> bool:
+    """Stat fields of the same process (its start time) that is not a zombie."""
+    return fields is not None and fields[0] != "Z" and int(fields[19]) == started
+
+
 def running(pid: int, started: int, proc: Path = PROC) -> bool:
     """The same process (pid and start time) still exists and is not a zombie."""
-    fields = stat_fields(pid, proc)
-    return fields is not None and fields[0] != "Z" and int(fields[19]) == started
+    return _still(stat_fields(pid, proc), started)
 
 
 def parents(proc: Path = PROC) -> dict[int, int]:
@@ -183,7 +187,7 @@ class EngineGuard:
         out = {}
         for pid, started in list(self._watched.items()):
             fields = stat_fields(pid, proc)
-            if fields is not None and fields[0] != "Z" and int(fields[19]) == started:
+            if _still(fields, started):
                 out[pid] = cpu_seconds(fields)
         return out
 
