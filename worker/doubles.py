@@ -14,7 +14,8 @@ import zlib
 from collections import defaultdict
 from types import SimpleNamespace
 
-from aiokafka.errors import MessageSizeTooLargeError, UnknownTopicOrPartitionError
+from aiokafka.errors import (MessageSizeTooLargeError, NoOffsetForPartitionError, OffsetOutOfRangeError,
+                            UnknownTopicOrPartitionError)
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from worker.answers import Progress
@@ -27,6 +28,7 @@ class MemoryBroker:
         self.max_record_bytes = max_record_bytes
         self.logs: dict[TopicPartition, list[ConsumerRecord]] = defaultdict(list)
         self.committed: dict[TopicPartition, int] = {}
+        self.log_start: dict[TopicPartition, int] = defaultdict(int)  # below it, records are deleted
         self.appended = asyncio.Event()
         # False: like a broker that does not create topics, only topics `create`d or appended to exist
         self.auto_create = True
@@ -59,12 +61,18 @@ class MemoryBroker:
         self.appended.set()
         return rec
 
+    def delete_records(self, tp: TopicPartition, before: int) -> None:
+        """What retention or DeleteRecords does: the records below `before` are gone."""
+        self.log_start[tp] = max(self.log_start[tp], min(before, len(self.logs[tp])))
+
     def records(self, topic: str) -> list[ConsumerRecord]:
         return [r for tp, log in sorted(self.logs.items()) if tp.topic == topic for r in log]
 
 
 class MemoryConsumer:
-    """One group member that owns every partition of its topics.
+    """One group member that owns every partition of its topics, reading as aiokafka's consumer does with
+    `auto_offset_reset="none"`: a partition the group has no offset for, or whose offset is below the
+    broker's log start, raises on `getmany` until it is sought.
 
     `fail_next` makes the next `getmany` raise (a client fault), `failing` every one while it is set
     (a broker that keeps refusing); `unreadable` holds
@@ -101,7 +109,7 @@ class MemoryConsumer:
             await self.listener.on_partitions_revoked(set(self._assigned))
         self._assigned = set(tps)
         for tp in tps:
-            self._position[tp] = self.broker.committed.get(tp, 0)
+            self._position[tp] = self.broker.committed.get(tp)
         if self.listener is not None:
             await self.listener.on_partitions_assigned(set(tps))
 
@@ -138,7 +146,13 @@ class MemoryConsumer:
 
     async def seek_to_beginning(self, *tps) -> None:
         for tp in tps:
-            self._position[tp] = 0
+            self._position[tp] = self.broker.log_start[tp]
+
+    async def beginning_offsets(self, tps) -> dict:
+        return {tp: self.broker.log_start[tp] for tp in tps}
+
+    async def end_offsets(self, tps) -> dict:
+        return {tp: len(self.broker.logs.get(tp, ())) for tp in tps}
 
     async def committed(self, tp) -> int | None:
         return self.broker.committed.get(tp)
@@ -157,6 +171,10 @@ class MemoryConsumer:
                 if tp not in self._assigned or tp in self._paused:
                     continue
                 log, pos = self.broker.logs.get(tp, []), self._position[tp]
+                if pos is None or pos < self.broker.log_start[tp] or pos > len(log):
+                    if got:  # as aiokafka: what was read is returned, the error raised on the next call
+                        return got
+                    raise NoOffsetForPartitionError(tp) if pos is None else OffsetOutOfRangeError({tp: pos})
                 take = []
                 for rec in log[pos: pos + budget]:
                     if (tp, rec.offset) in self.unreadable:

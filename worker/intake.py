@@ -34,6 +34,7 @@ from aiokafka.errors import KafkaError, KafkaTimeoutError
 from schemas import BadRequest, ErrorCode, RequestCodec
 from topics import Topic
 from worker import metrics
+from worker.read_position import UNPOSITIONED, reposition
 from worker.runner import Job
 from worker.tenancy import Tenancy, Unauthenticated
 from worker.unparseable import UNPARSEABLE, RecordRef, read_one_at_a_time
@@ -105,7 +106,7 @@ class Intake:
             wanted = self._wanted(topic.name, tps)
             generations = {tp: self.tracker.generation(tp) for tp in wanted}
             try:
-                got = await self._fetch(wanted, room, policy.window_ms)
+                got = await self._fetch(wanted, room, policy.window_ms, cls)
             except KafkaError as exc:
                 # Not stamped as a poll: a fetch that keeps failing trips the intake stall check.
                 metrics.intake_errors.labels(cls, "fetch").inc()
@@ -141,7 +142,7 @@ class Intake:
         parts = self.consumer.partitions_for_topic(topic)
         return [TopicPartition(topic, p) for p in sorted(parts)] if parts else tps
 
-    async def _fetch(self, tps, room: int, window_ms: int) -> dict:
+    async def _fetch(self, tps, room: int, window_ms: int, cls: str = "") -> dict:
         got: dict = {}
         try:
             got = await self.consumer.getmany(*tps, timeout_ms=max(self.poll_ms, IDLE_WAIT_MS), max_records=room)
@@ -154,6 +155,14 @@ class Intake:
                     got.setdefault(tp, []).extend(recs)
         except UNPARSEABLE as exc:
             await self._read_carefully(tps, room, got, exc)
+        except UNPOSITIONED as exc:
+            await reposition(self.consumer, exc, cls)
+        except KafkaError as exc:
+            if not got:
+                raise
+            # the window's second read failed: what the first returned is already behind the positions,
+            # so it is kept, not dropped; the client raises the error again on a later read
+            log.warning("fetch_failed_after_records", cls=cls, error=repr(exc)[:300])
         return got
 
     async def _read_carefully(self, tps, room: int, got: dict, first: BaseException) -> None:

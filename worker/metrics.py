@@ -62,6 +62,10 @@ untrusted_timestamps = Counter(
     "sluice_untrusted_timestamps_total", "Request records whose timestamp cannot be true (before the topic's "
     "retention, or ahead of the worker's clock by more than the allowed skew): timed from when they were read",
     ["class"], registry=REGISTRY)
+records_expired = Counter(
+    "sluice_records_expired_total", "Request records the topic's retention (or DeleteRecords) removed before any "
+    "worker read them: lost, counted when the worker finds its group's offset below the partition's first record",
+    ["class"], registry=REGISTRY)
 requests_completed = Counter(
     "sluice_requests_completed_total", "Requests answered, by outcome (finish reason or error code)",
     ["class", "outcome"], registry=REGISTRY,
@@ -226,9 +230,9 @@ UNSEALABLE_REASONS = ("not_sealed", "corrupt", "unknown_key", "forged")
 
 def start_series(classes) -> None:
     for cls in classes:
-        for family in (records_consumed, untrusted_timestamps, tokens_generated, prompt_tokens, suspended, resumed,
-                       duplicates, waiting, in_engine, admission_cap, paused_partitions, time_to_first_token,
-                       end_to_end, inter_token):
+        for family in (records_consumed, untrusted_timestamps, records_expired, tokens_generated, prompt_tokens,
+                       suspended, resumed, duplicates, waiting, in_engine, admission_cap, paused_partitions,
+                       time_to_first_token, end_to_end, inter_token):
             family.labels(cls)
         unauthenticated.labels(cls)
         for stage in STAGES:

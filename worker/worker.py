@@ -94,7 +94,10 @@ def kafka_consumer(settings: Settings):
         client_id=f"{settings.kafka.client_id}-consumer",
         group_id=settings.group.id,
         enable_auto_commit=False,
-        auto_offset_reset="earliest",
+        # "none": a position the broker no longer holds is reported, not moved in silence; the worker
+        # counts what retention removed unread and reads from the beginning where the group has no
+        # offset (worker/read_position.py)
+        auto_offset_reset="none",
         fetch_max_wait_ms=settings.kafka.fetch_max_wait_ms,
         isolation_level=settings.kafka.isolation_level,
         session_timeout_ms=settings.group.session_timeout_ms,
