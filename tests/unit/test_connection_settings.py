@@ -80,3 +80,12 @@ async def test_the_request_consumer_refreshes_its_metadata_every_30_s_so_added_p
     assert consumer._client._metadata_max_age_ms == 30000
     consumer = kafka_consumer(load(environ={"SLUICE_KAFKA_METADATA_MAX_AGE_MS": "5000"}))
     assert consumer._client._metadata_max_age_ms == 5000
+
+
+async def test_the_request_consumer_reports_a_position_the_broker_no_longer_holds():
+    """With aiokafka's `earliest`, an offset below the log start (records retention removed unread) would
+    be moved past in silence; the worker chooses the position itself and counts them
+    (worker/read_position.py, tests/unit/test_read_position.py)."""
+    from worker.worker import kafka_consumer
+
+    assert kafka_consumer(load(environ={}))._auto_offset_reset == "none"
