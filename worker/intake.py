@@ -69,6 +69,15 @@ def loop_name(topic: Topic) -> str:
     return topic.latency_class if topic.tenant is None else f"{topic.latency_class}/{topic.tenant}"
 
 
+def _keep_what_was_read(exc: KafkaError, got: dict, cls: str) -> None:
+    """A read failed after earlier reads returned records. Those are behind the consumer's positions
+    already: dropped, they would never be read again. So they are kept, and the client raises the
+    error again on a later read. With nothing read, the failure is the loop's to handle."""
+    if not got:
+        raise exc
+    log.warning("fetch_failed_after_records", cls=cls, error=repr(exc)[:300])
+
+
 class FetchRefused(Exception):
     """The broker keeps refusing a request topic's fetches for a reason retrying will not change."""
 
@@ -154,25 +163,22 @@ class Intake:
                 for tp, recs in more.items():
                     got.setdefault(tp, []).extend(recs)
         except UNPARSEABLE as exc:
-            await self._read_carefully(tps, room, got, exc)
+            await self._read_carefully(tps, room, got, exc, cls)
         except UNPOSITIONED as exc:
             await reposition(self.consumer, exc, cls)
-        except KafkaError as exc:
-            if not got:
-                raise
-            # the window's second read failed: what the first returned is already behind the positions,
-            # so it is kept, not dropped; the client raises the error again on a later read
-            log.warning("fetch_failed_after_records", cls=cls, error=repr(exc)[:300])
+        except KafkaError as exc:  # the window's second read
+            _keep_what_was_read(exc, got, cls)
         return got
 
-    async def _read_carefully(self, tps, room: int, got: dict, first: BaseException) -> None:
+    async def _read_carefully(self, tps, room: int, got: dict, first: BaseException, cls: str = "") -> None:
         """After a parse failure: rewind each partition to the first record not yet taken, read
         one record at a time, and turn each one that cannot be parsed into a `RecordRef`.
 
         The failed fetch may have moved positions past records it never handed out, so the
         rewind point is the first offset not yet taken: the tracker knows it for a partition this
         worker has read since it was assigned; otherwise nothing was taken since the assignment,
-        so it is the group's committed offset, or the beginning (`auto_offset_reset="earliest"`).
+        so it is the group's committed offset, or the beginning. What was read stays in `got` when a
+        later partition's read fails.
         """
         log.warning("unparseable_record_in_fetch", error=repr(first)[:300])
         assigned = self.consumer.assignment()
@@ -184,7 +190,13 @@ class Intake:
                 await self.consumer.seek_to_beginning(tp)
             else:
                 self.consumer.seek(tp, start)
-            await read_one_at_a_time(self.consumer, tp, room, self.poll_ms, got)
+            try:
+                await read_one_at_a_time(self.consumer, tp, room, self.poll_ms, got)
+            except UNPOSITIONED as exc:
+                await reposition(self.consumer, exc, cls)
+            except KafkaError as exc:
+                _keep_what_was_read(exc, got, cls)
+                return
 
     async def _rewind(self, tp) -> None:
         committed = await self.consumer.committed(tp)

@@ -81,6 +81,25 @@ async def test_records_read_before_the_window_read_fails_are_kept():
     assert failed
 
 
+async def test_records_read_one_at_a_time_are_kept_when_a_later_partition_is_out_of_range():
+    # a record the client cannot parse sends the loop to read each partition one record at a time;
+    # partition 1's offset is below its log start, and partition 0's records were read before it
+    mem = Memory(partitions=2)
+    send(mem, 3, partition=0)
+    send(mem, 4, first=10, partition=1)
+    p0, p1 = TopicPartition(STANDARD, 0), TopicPartition(STANDARD, 1)
+    mem.broker.committed.update({p0: 0, p1: 1})
+    mem.broker.delete_records(p1, 2)
+    mem.consumer.unreadable.add((p0, 1))
+    before = expired("standard")
+    async with running(mem):
+        assert await until(lambda: len(mem.finals()) == 4 and mem.dead_letters() and mem.all_committed()), (
+            mem.finals(), mem.broker.committed)
+    assert sorted(mem.finals()) == ["r0", "r12", "r13", "r2"]
+    assert mem.dead_letter_sources() == {(STANDARD, 0, 1)}
+    assert expired("standard") - before == 1
+
+
 def _consumer(records: int, log_start: int, committed: dict[int, int | None]):
     broker = MemoryBroker(partitions=len(committed))
     for p in committed:
