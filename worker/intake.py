@@ -151,7 +151,7 @@ class Intake:
         parts = self.consumer.partitions_for_topic(topic)
         return [TopicPartition(topic, p) for p in sorted(parts)] if parts else tps
 
-    async def _fetch(self, tps, room: int, window_ms: int, cls: str = "") -> dict:
+    async def _fetch(self, tps, room: int, window_ms: int, cls: str) -> dict:
         got: dict = {}
         try:
             got = await self.consumer.getmany(*tps, timeout_ms=max(self.poll_ms, IDLE_WAIT_MS), max_records=room)
@@ -170,7 +170,7 @@ class Intake:
             _keep_what_was_read(exc, got, cls)
         return got
 
-    async def _read_carefully(self, tps, room: int, got: dict, first: BaseException, cls: str = "") -> None:
+    async def _read_carefully(self, tps, room: int, got: dict, first: BaseException, cls: str) -> None:
         """After a parse failure: rewind each partition to the first record not yet taken, read
         one record at a time, and turn each one that cannot be parsed into a `RecordRef`.
 

@@ -57,6 +57,8 @@ async def reposition(consumer, exc: BaseException, cls: str) -> dict:
             log.warning("offset_beyond_log_end", cls=cls, topic=tp.topic, partition=tp.partition, offset=off,
                         log_start=first, log_end=end)
             consumer.seek(tp, first)
-        else:
-            consumer.seek(tp, off)  # in range by now: read it again
+        else:  # in range by now (records appended since): read it again
+            log.warning("offset_out_of_range_read_again", cls=cls, topic=tp.topic, partition=tp.partition, offset=off,
+                        log_start=first, log_end=end)
+            consumer.seek(tp, off)
     return expired
