@@ -219,13 +219,20 @@ class Backfill:
         if not tps:
             return
         consumer.assign(list(tps.values()))
-        for p, tp in tps.items():
-            consumer.seek(tp, scan_from[p])
+        await self._seek_in_output(consumer, {tp: scan_from[p] for p, tp in tps.items()})
         dec = msgspec.json.Decoder(BackfillResult)
         job = self.job.id.encode()
         reading, quiet_since = dict(tps), time.monotonic()
         while reading:
-            batch = await consumer.getmany(*reading.values(), timeout_ms=500)
+            try:
+                batch = await consumer.getmany(*reading.values(), timeout_ms=500)
+            except OffsetOutOfRangeError as exc:  # the output's retention moved on during the scan
+                out_of_range = exc.args[0] if exc.args else {}
+                if not await self._seek_in_output(consumer, out_of_range):
+                    raise RuntimeError(f"{self.job.out} offsets {out_of_range} are out of range, yet none is below "
+                                       "its partition's first record: was the output topic deleted and created "
+                                       "again? Not going on, which could write results twice") from exc
+                continue
             if batch:
                 quiet_since = time.monotonic()
             elif time.monotonic() - quiet_since > SCAN_STALL_S:
@@ -241,6 +248,17 @@ class Backfill:
             for p in list(reading):
                 if await consumer.position(reading[p]) >= ends[p]:
                     del reading[p]
+
+    @staticmethod
+    async def _seek_in_output(consumer, positions: dict) -> bool:
+        """Seek each output partition to its position, or to its first record where the output's retention
+        removed the ones before; whether any position moved. Results that went with retention cannot be
+        found by any scan; the Kafka client's own reset would jump to the partition's end and skip the
+        ones still there, which the job would then write twice."""
+        begins = await consumer.beginning_offsets(list(positions))
+        for tp, at in positions.items():
+            consumer.seek(tp, max(at, begins[tp]))
+        return any(at < begins[tp] for tp, at in positions.items())
 
     # -- the run ---------------------------------------------------------------
 
@@ -289,7 +307,7 @@ class Backfill:
         if cp is not None and cp.complete:
             return cp  # nothing left to do: a finished job writes nothing more
         probe = AIOKafkaConsumer(**self.s.kafka.options(), enable_auto_commit=False, fetch_max_wait_ms=50,
-                                 isolation_level=self.s.kafka.isolation_level)
+                                 isolation_level=self.s.kafka.isolation_level, auto_offset_reset="none")
         try:
             await probe.start()
             if self.use_lease:
