@@ -119,6 +119,10 @@ class RequestRefused(RuntimeError):
     its event would wait for a reply for ever."""
 
 
+class OutputUnreadable(RuntimeError):
+    """The job's output cannot be read to its end for earlier results: going on could write results twice."""
+
+
 class DeadLettered(RuntimeError):
     """The workers dead-lettered one of the job's requests: no reply will come for it (a tenant's
     signature refused, say), and every other request of the job would go the same way."""
@@ -229,14 +233,14 @@ class Backfill:
             except OffsetOutOfRangeError as exc:  # the output's retention moved on during the scan
                 out_of_range = exc.args[0] if exc.args else {}
                 if not await self._seek_in_output(consumer, out_of_range):
-                    raise RuntimeError(f"{self.job.out} offsets {out_of_range} are out of range, yet none is below "
+                    raise OutputUnreadable(f"{self.job.out} offsets {out_of_range} are out of range, yet none is below "
                                        "its partition's first record: was the output topic deleted and created "
                                        "again? Not going on, which could write results twice") from exc
                 continue
             if batch:
                 quiet_since = time.monotonic()
             elif time.monotonic() - quiet_since > SCAN_STALL_S:
-                raise RuntimeError(f"{self.job.out} partitions {sorted(reading)} could not be read to their ends "
+                raise OutputUnreadable(f"{self.job.out} partitions {sorted(reading)} could not be read to their ends "
                                    f"for {SCAN_STALL_S:.0f} s; not going on, which could write results twice")
             for recs in batch.values():
                 for rec in recs:

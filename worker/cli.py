@@ -246,7 +246,8 @@ def cmd_backfill(args) -> int:
 
     from aiokafka.errors import KafkaError
 
-    from worker.backfill import Backfill, DeadLettered, Job, JobRunning, RequestRefused, render_summary
+    from worker.backfill import (Backfill, DeadLettered, Job, JobRunning, OutputUnreadable, RequestRefused,
+                                 render_summary)
     from worker.backfill_stall import Stalled
     from worker.backfill_range import RangeError, SourceChanged, parse_bound
     from worker.job_lease import LeaseHeld, LeaseLost, LeaseUnavailable
@@ -292,7 +293,7 @@ def cmd_backfill(args) -> int:
     try:
         bf, cp, seconds = asyncio.run(go())
     except (RangeError, JobRunning, LeaseHeld, LeaseLost, LeaseUnavailable, DeadLettered, Stalled,
-            RequestRefused, SourceChanged) as exc:
+            RequestRefused, SourceChanged, OutputUnreadable) as exc:
         sys.exit(f"sluice backfill: {exc}")
     except KafkaError as exc:  # one line naming the broker, not a traceback; what was done is checkpointed
         sys.exit(f"sluice backfill: Kafka at {settings.kafka.bootstrap}: {exc}; "

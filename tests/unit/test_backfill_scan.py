@@ -9,7 +9,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 import topics
 from schemas.events import BackfillResult
-from worker.backfill import JOB_HEADER, SOURCE_HEADER, Backfill, Job
+from worker.backfill import JOB_HEADER, SOURCE_HEADER, Backfill, Job, OutputUnreadable
 from worker.settings import load
 
 JOB = Job(source="payments.tx", out="payments.scored", template="fraud", name="june")
@@ -78,7 +78,7 @@ async def test_an_offset_out_of_range_above_the_first_record_stops_the_scan(tmp_
         raise OffsetOutOfRangeError({OUT: 7})
 
     reader.getmany = topic_created_again
-    with pytest.raises(RuntimeError, match="deleted and created again"):
+    with pytest.raises(OutputUnreadable, match="deleted and created again"):
         await backfill._scan_out(reader, {0: 7}, {0: 10})
 
 
