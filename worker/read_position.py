@@ -2,11 +2,11 @@
 longer holds the one it has.
 
 The worker's consumer runs with `auto_offset_reset="none"`, so the Kafka client reports both cases
-instead of moving the position in silence. A partition the group never committed is read from its
+instead of moving the position itself (with an info-level log line at most). A partition the group never committed is read from its
 beginning, as `earliest` would. An offset below the partition's first record means retention (or
 an administrator's DeleteRecords) removed records before any worker read them: they are gone, and
 the worker says how many (`sluice_records_expired_total`, an error log line) before it reads on from
-the first record left. `earliest` would have skipped them without a word.
+the first record left. `earliest` would have skipped them uncounted.
 """
 
 from __future__ import annotations
