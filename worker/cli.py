@@ -311,7 +311,7 @@ def cmd_dlq(args) -> int:
     from aiokafka.errors import KafkaError
 
     from worker.backfill_range import RangeError
-    from worker.dead_letters import read, replay
+    from worker.dead_letters import ListingBroken, read, replay
 
     if args.limit < 0:
         sys.exit(f"sluice dlq: --limit {args.limit}: a count of dead letters to show, or 0 for all")
@@ -320,8 +320,10 @@ def cmd_dlq(args) -> int:
     topic = catalog.dlq.name
     try:
         show = args.action == "show"
-        count, letters = asyncio.run(read(settings.kafka.options(), topic, args.since, args.code,
-                                          last=(args.limit or None) if show else None))
+        count, letters, removed = asyncio.run(read(settings.kafka.options(), topic, args.since, args.code,
+                                                   last=(args.limit or None) if show else None))
+        if removed:
+            print(f"{removed} dead letters were removed by {topic}'s retention while they were read: not listed")
         if show:
             for letter in letters:
                 print(letter.line())
@@ -331,7 +333,7 @@ def cmd_dlq(args) -> int:
             return 0
         sent, skipped = asyncio.run(replay(settings.kafka.options(), letters, {t.name for t in catalog.requests},
                                            dry_run=args.dry_run))
-    except RangeError as exc:
+    except (RangeError, ListingBroken) as exc:
         sys.exit(f"sluice dlq: {exc}")
     except KafkaError as exc:
         sys.exit(f"sluice dlq: Kafka at {settings.kafka.bootstrap}: {exc!r}")

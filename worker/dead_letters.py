@@ -14,10 +14,16 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import OffsetOutOfRangeError
 
 from schemas import dlq
 from worker.backfill_range import resolve
 from worker.consumer_stop import stop_consumer
+
+
+class ListingBroken(RuntimeError):
+    """A dead-letter partition's offsets no longer hold what the listing read: the topic was deleted
+    and created again while it was read."""
 
 
 @dataclass(frozen=True)
@@ -67,38 +73,65 @@ class DeadLetter:
 
 
 async def read(kafka_opts: dict, topic: str, since: str | None = None, code: str | None = None,
-               last: int | None = None) -> tuple[int, list[DeadLetter]]:
-    """(how many, the dead letters) of `topic` from `since` (an ISO time or an offset; None: the
-    beginning) with `code` only if given, oldest first; with `last`, only the newest `last` are kept
-    (a large dead-letter topic is counted, not held in memory)."""
-    consumer = AIOKafkaConsumer(**kafka_opts, enable_auto_commit=False, fetch_max_wait_ms=50)
+               last: int | None = None) -> tuple[int, list[DeadLetter], int]:
+    """(how many, the dead letters, how many retention removed while they were read) of `topic` from
+    `since` (an ISO time or an offset; None: the beginning) with `code` only if given, oldest first;
+    with `last`, only the newest `last` are kept (a large dead-letter topic is counted, not held in
+    memory)."""
+    # "none": a position that retention passed raises rather than jumping (the default, "latest",
+    # would end the listing there without a word)
+    consumer = AIOKafkaConsumer(**kafka_opts, enable_auto_commit=False, fetch_max_wait_ms=50,
+                                auto_offset_reset="none")
     await consumer.start()
     out: list = []  # a heap of (timestamp, partition, offset, letter) when `last`
-    count = 0
+    count = removed = 0
+
+    def keep(rec) -> None:
+        nonlocal count
+        letter = DeadLetter(rec.partition, rec.offset, rec.timestamp, rec.key, rec.value, tuple(rec.headers or ()))
+        if code is not None and letter.code != code:
+            return
+        count += 1
+        item = (letter.timestamp_ms, rec.partition, rec.offset, letter)
+        if last is None:
+            out.append(item)
+        elif last > 0:
+            (heapq.heappush if len(out) < last else heapq.heappushpop)(out, item)
+
     try:
         ranges = await resolve(consumer, topic, since, None)
         for p, (lo, hi) in ranges.items():
-            tp = TopicPartition(topic, p)
-            if lo >= hi:
-                continue
-            consumer.assign([tp])
-            consumer.seek(tp, lo)
-            while await consumer.position(tp) < hi:
-                for rec in (await consumer.getmany(tp, timeout_ms=500)).get(tp, []):
-                    if rec.offset >= hi:
-                        break
-                    letter = DeadLetter(p, rec.offset, rec.timestamp, rec.key, rec.value, tuple(rec.headers or ()))
-                    if code is not None and letter.code != code:
-                        continue
-                    count += 1
-                    item = (letter.timestamp_ms, p, rec.offset, letter)
-                    if last is None:
-                        out.append(item)
-                    elif last > 0:
-                        (heapq.heappush if len(out) < last else heapq.heappushpop)(out, item)
+            if lo < hi:
+                tp = TopicPartition(topic, p)
+                consumer.assign([tp])
+                removed += await read_range(consumer, tp, lo, hi, keep)
     finally:
         await stop_consumer(consumer)
-    return count, [item[3] for item in sorted(out, key=lambda item: item[:3])]
+    return count, [item[3] for item in sorted(out, key=lambda item: item[:3])], removed
+
+
+async def read_range(consumer, tp: TopicPartition, lo: int, hi: int, keep) -> int:
+    """Hands `keep` every record of `tp` in [lo, hi) still there, oldest first, and returns how many
+    retention removed before they were read. Raises `ListingBroken` when the partition's offsets no
+    longer reach where reading was (the topic created again)."""
+    removed = 0
+    consumer.seek(tp, lo)
+    while (at := await consumer.position(tp)) < hi:
+        try:
+            batch = await consumer.getmany(tp, timeout_ms=500)
+        except OffsetOutOfRangeError:
+            begin = (await consumer.beginning_offsets([tp]))[tp]
+            if begin <= at:
+                raise ListingBroken(f"{tp.topic} partition {tp.partition}: offset {at} is out of range though the "
+                                    f"first record left is {begin}: was the topic deleted and created again?") from None
+            removed += min(begin, hi) - at
+            consumer.seek(tp, min(begin, hi))
+            continue
+        for rec in batch.get(tp, []):
+            if rec.offset >= hi:
+                break
+            keep(rec)
+    return removed
 
 
 async def replay(kafka_opts: dict, letters: list[DeadLetter], request_topics: set[str],

@@ -80,16 +80,3 @@ async def test_an_offset_out_of_range_above_the_first_record_stops_the_scan(tmp_
     reader.getmany = topic_created_again
     with pytest.raises(OutputUnreadable, match="deleted and created again"):
         await backfill._scan_out(reader, {0: 7}, {0: 10})
-
-
-def test_every_backfill_reader_reports_a_position_out_of_range():
-    """Both of the job's consumers (the probe that scans the output, the source reader) run with
-    `auto_offset_reset="none"`: aiokafka's default, `latest`, would jump to a partition's end."""
-    from tests.unit.test_connection_settings import client_calls
-
-    readers = [call for where, call in client_calls()
-               if where.startswith("worker/backfill.py") and getattr(call.func, "id", "") == "AIOKafkaConsumer"]
-    assert len(readers) == 2
-    for call in readers:
-        reset = [k.value.value for k in call.keywords if k.arg == "auto_offset_reset"]
-        assert reset == ["none"], f"worker/backfill.py:{call.lineno}"
