@@ -208,7 +208,10 @@ class Worker:
         # before any client starts: nothing here may leave one running
         for name, reason in self.runner.unusable_templates().items():
             log.warning("template_unusable", template=name, reason=reason)  # its requests: invalid_request
-        started = []  # each client's stop, listed before its start: a stop also closes a half-done start
+        # each client's stop, listed before its start: a stop also closes a half-done start. The consumer
+        # exists already (built with the worker): closed even when an earlier client fails, else aiokafka
+        # logs "Unclosed AIOKafkaConsumer" as the process ends
+        started = [self.consumer.stop]
         try:
             started.append(self.answers.stop)
             await self.answers.start()
@@ -218,7 +221,6 @@ class Worker:
             if s.group.leave_on_death and hasattr(self.consumer, "_coordinator"):  # aiokafka's, not a test double
                 started.append(self._close_group_guard)
                 self.group_guard.start(s.kafka, s.group.id, timeout_s=s.kafka.request_timeout_ms / 1000)
-            started.append(self.consumer.stop)
             self.liveness.group_left()
             join = asyncio.timeout(s.health.group_join_s)
             try:

@@ -565,6 +565,28 @@ async def test_a_client_that_cannot_start_closes_the_ones_that_did():
     assert mem.answers.writer.done()
 
 
+async def test_a_client_that_cannot_start_closes_the_consumer_built_with_the_worker():
+    """The producer is refused before the consumer starts: the consumer (built with the worker) is
+    closed too, so the process does not end with aiokafka's "Unclosed AIOKafkaConsumer"."""
+    from aiokafka.errors import UnknownError
+
+    mem = Memory()
+    stops = []
+    consumer_stop = mem.consumer.stop
+
+    async def refused():
+        raise UnknownError("InitProducerId")
+
+    async def stop():
+        stops.append("consumer")
+        await consumer_stop()
+
+    mem.producer.start, mem.consumer.stop = refused, stop
+    with pytest.raises(UnknownError):
+        await mem.worker().start()
+    assert stops == ["consumer"]
+
+
 async def test_a_first_group_join_the_coordinator_holds_is_one_clear_line_and_exit_1(monkeypatch, capsys):
     """aiokafka's start returns once the group has assigned partitions. A join the coordinator holds
     (a member that never rejoins, a broker that never answers the join) held the worker there for ever:
