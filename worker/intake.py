@@ -165,7 +165,7 @@ class Intake:
         except UNPARSEABLE as exc:
             await self._read_carefully(tps, room, got, exc, cls)
         except UNPOSITIONED as exc:
-            await reposition(self.consumer, exc, cls)
+            await reposition(self.consumer, exc, cls, self.tracker)
         except KafkaError as exc:  # the window's second read
             _keep_what_was_read(exc, got, cls)
         return got
@@ -193,7 +193,7 @@ class Intake:
             try:
                 await read_one_at_a_time(self.consumer, tp, room, self.poll_ms, got)
             except UNPOSITIONED as exc:
-                await reposition(self.consumer, exc, cls)
+                await reposition(self.consumer, exc, cls, self.tracker)
             except KafkaError as exc:
                 _keep_what_was_read(exc, got, cls)
                 return

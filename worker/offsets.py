@@ -38,6 +38,16 @@ class OffsetTracker:
         heapq.heappush(p.heap, offset)
         p.next_offset = offset + 1
 
+    def skip_to(self, tp, offset: int) -> None:
+        """The partition's records below `offset` are gone (retention removed them before they were
+        read): none of them will be taken, so the watermark may move up to `offset` once nothing
+        taken below it is pending. Without this the group's offset stayed below them until a later
+        record finished: lag that no worker could read down, and the same records counted again by
+        the next owner."""
+        p = self._parts.setdefault(tp, _Partition())
+        if p.next_offset is None or offset > p.next_offset:
+            p.next_offset = offset
+
     def next_offset(self, tp) -> int | None:
         """One past the highest offset taken from `tp`, or None if nothing was taken yet."""
         p = self._parts.get(tp)

@@ -30,8 +30,9 @@ def positions_of(exc: BaseException) -> dict:
     return {tp: None for tp in exc.args if hasattr(tp, "partition")}
 
 
-async def reposition(consumer, exc: BaseException, cls: str) -> dict:
-    """Seek each partition named by `exc` that is still assigned; returns {partition: records expired}."""
+async def reposition(consumer, exc: BaseException, cls: str, tracker=None) -> dict:
+    """Seek each partition named by `exc` that is still assigned; returns {partition: records expired}.
+    Past expired records, `tracker` (worker/offsets.py) may commit the first record left."""
     assigned = consumer.assignment()
     at = {tp: off for tp, off in positions_of(exc).items() if tp in assigned}
     fresh = [tp for tp, off in at.items() if off is None]
@@ -52,6 +53,8 @@ async def reposition(consumer, exc: BaseException, cls: str) -> dict:
                       from_offset=off, to_offset=first,
                       note="the topic's retention (or DeleteRecords) removed them before any worker read them")
             consumer.seek(tp, first)
+            if tracker is not None:
+                tracker.skip_to(tp, first)
         elif off > end:
             # the topic deleted and created again, or its log cut short: its records start over
             log.warning("offset_beyond_log_end", cls=cls, topic=tp.topic, partition=tp.partition, offset=off,

@@ -64,3 +64,17 @@ def test_offsets_must_increase():
     except ValueError:
         return
     raise AssertionError("taking an older offset must fail")
+
+
+def test_records_retention_removed_move_the_watermark_only_past_what_is_still_pending():
+    tracker = OffsetTracker()
+    tracker.skip_to("p0", 6)  # nothing taken: offsets 0-5 are gone unread
+    assert tracker.to_commit() == {"p0": 6}
+    tracker.take("p1", 3)
+    tracker.skip_to("p1", 10)  # 4-9 gone while 3 is still running
+    assert tracker.to_commit() == {"p0": 6, "p1": 3}
+    tracker.finish("p1", 3)
+    assert tracker.to_commit()["p1"] == 10
+    tracker.take("p1", 10)
+    tracker.skip_to("p1", 5)  # an older position never moves it back
+    assert tracker.next_offset("p1") == 11

@@ -1,6 +1,8 @@
 """A partition whose group offset the broker no longer holds: what retention removed unread is counted
 and named, reading goes on from the first record left, and nothing already read is dropped."""
 
+import asyncio
+
 import pytest
 from aiokafka.errors import NoOffsetForPartitionError, OffsetOutOfRangeError, TopicAuthorizationFailedError
 from aiokafka.structs import TopicPartition
@@ -34,6 +36,26 @@ async def test_records_retention_removed_unread_are_counted_and_the_rest_answere
         assert await until(lambda: len(mem.finals()) == 4 and mem.all_committed()), (mem.finals(), mem.broker.committed)
     assert sorted(mem.finals()) == ["r6", "r7", "r8", "r9"]
     assert expired("standard") - before == 4
+
+
+async def test_the_group_commits_past_records_retention_removed_even_with_nothing_left_to_read():
+    """Every record the group had not read is gone. Its offset moves to the log start at once: left
+    below it, the group's lag stayed at 4 with nothing to read (a lag-based autoscaler keeps a worker
+    for it), and the next owner of the partition counted the same 4 again."""
+    mem = Memory(partitions=1)
+    send(mem, 6)
+    tp = TopicPartition(STANDARD, 0)
+    mem.broker.committed[tp] = 2
+    mem.broker.delete_records(tp, 6)
+    before = expired("standard")
+    async with running(mem):
+        assert await until(lambda: mem.broker.committed.get(tp) == 6), mem.broker.committed
+    assert expired("standard") - before == 4
+    mem.consumer = MemoryConsumer(mem.broker)  # a restart, or the next owner
+    async with running(mem):
+        assert await until(lambda: mem.consumer.assignment())
+        await asyncio.sleep(0.3)
+    assert expired("standard") - before == 4 and mem.finals() == {}
 
 
 async def test_a_group_without_offsets_reads_from_the_first_record_left():
