@@ -208,10 +208,7 @@ class Worker:
         # before any client starts: nothing here may leave one running
         for name, reason in self.runner.unusable_templates().items():
             log.warning("template_unusable", template=name, reason=reason)  # its requests: invalid_request
-        # each client's stop, listed before its start: a stop also closes a half-done start. The consumer
-        # exists already (built with the worker): closed even when an earlier client fails, else aiokafka
-        # logs "Unclosed AIOKafkaConsumer" as the process ends
-        started = [self.consumer.stop]
+        started = []  # each client's stop, listed before its start: a stop also closes a half-done start
         try:
             started.append(self.answers.stop)
             await self.answers.start()
@@ -234,8 +231,11 @@ class Worker:
                     f"(SLUICE_GROUP_JOIN_S): the coordinator held the join (a member that does not rejoin, "
                     f"a broker that does not answer)") from None
         except BaseException:
-            # whichever client could not start: all are closed, not left to the process exit
-            for stop in reversed(started):
+            # whichever client could not start: all are closed, not left to the process exit. The consumer
+            # first, as in `stop` (it leaves the group before the guard stands down), and even when an
+            # earlier client failed: it was built with the worker, and aiokafka logs "Unclosed
+            # AIOKafkaConsumer" for one never stopped
+            for stop in [self.consumer.stop, *reversed(started)]:
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(START_CLEANUP_S):
                         await stop()
