@@ -38,6 +38,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
 from worker import metrics
+from worker.redis_client import retry_once
 from worker.redis_rounds import Script, run_scripts
 from worker.redis_seeds import SeedNodes, redacted
 from worker.sealing import KeyRing, Sealer, Unsealable
@@ -215,7 +216,7 @@ class AnswerStore:
         try:
             client = RedisCluster.from_url(
                 self.seeds.url, startup_nodes=self.seeds.startup_nodes(ClusterNode),
-                socket_timeout=self.timeout, socket_connect_timeout=self.timeout, cluster_error_retry_attempts=1,
+                socket_timeout=self.timeout, socket_connect_timeout=self.timeout, retry=retry_once(asynchronous=True),
                 **self.client_options)
             async with asyncio.timeout(self.timeout * 4):  # not wait_for: 3.11's can swallow a cancellation
                 await client.initialize()

@@ -50,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from worker import kv_pages, sealing
 from worker.kv_move import PageMover
+from worker.redis_client import retry_once
 from worker.redis_seeds import SeedNodes
 from worker.save_budget import SaveBudget, save_order
 from worker.settings import KvSettings, RedisSettings
@@ -78,7 +79,7 @@ class _Redis:
             try:
                 self._client = RedisCluster.from_url(
                     self.seeds.url, startup_nodes=self.seeds.startup_nodes(ClusterNode),
-                    socket_timeout=self.timeout_s, cluster_error_retry_attempts=1, socket_connect_timeout=self.timeout_s,
+                    socket_timeout=self.timeout_s, retry=retry_once(asynchronous=False), socket_connect_timeout=self.timeout_s,
                     socket_read_size=PAGE_READ_SIZE, **self.client_options)
                 self.seeds.remember(self._client.get_nodes())
             except Exception:
