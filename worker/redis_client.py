@@ -1,7 +1,8 @@
 """A Redis Cluster client built from the settings: the URL's seed nodes, credentials and TLS.
 
 For the short-lived clients of start-up checks and the backfill's lease; the answer store and the
-KV connector build their own, since they also reseed from the topology they last saw.
+KV connector build their own, since they also reseed from the topology they last saw, with the
+retry policy of `retry_once`.
 """
 
 from __future__ import annotations
