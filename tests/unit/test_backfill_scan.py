@@ -9,6 +9,7 @@ from aiokafka.structs import ConsumerRecord, TopicPartition
 
 import topics
 from schemas.events import BackfillResult
+from tests.unit.retained import RetainedPartition
 from worker.backfill import JOB_HEADER, SOURCE_HEADER, Backfill, Job, OutputUnreadable
 from worker.settings import load
 
@@ -16,45 +17,16 @@ JOB = Job(source="payments.tx", out="payments.scored", template="fraud", name="j
 OUT = TopicPartition(JOB.out, 0)
 
 
-class OutputReader:
-    """The output partition as aiokafka's consumer reads it with `auto_offset_reset="none"`: a position
-    below the first record left raises. `retention_moves_at` deletes the first `retention_moves_by`
-    records once the scan has read that far, as retention running during the scan would."""
-
-    def __init__(self, results: int, log_start: int, retention_moves_at: int | None = None,
-                 retention_moves_by: int = 0):
-        enc = msgspec.json.Encoder()
-        self.records = [
-            ConsumerRecord(JOB.out, 0, o, 0, 0, f"e{o}".encode(),
-                           enc.encode(BackfillResult(event_id=f"e{o}", topic=JOB.source, partition=0, offset=o,
-                                                     template="fraud", label="ok")), None, 0, 0,
-                           ((JOB_HEADER, JOB.id.encode()), (SOURCE_HEADER, f"0:{o}".encode())))
-            for o in range(results)]
-        self.log_start, self.position_of = log_start, {}
-        self.moves_at, self.moves_by = retention_moves_at, retention_moves_by
-
-    def assign(self, tps) -> None:
-        self.assigned = list(tps)
-
-    def seek(self, tp, offset: int) -> None:
-        self.position_of[tp] = offset
-
-    async def beginning_offsets(self, tps) -> dict:
-        return {tp: self.log_start for tp in tps}
-
-    async def position(self, tp) -> int:
-        return self.position_of[tp]
-
-    async def getmany(self, *tps, timeout_ms: int = 0) -> dict:
-        (tp,) = tps
-        at = self.position_of[tp]
-        if self.moves_at is not None and at >= self.moves_at:
-            self.log_start, self.moves_at = self.moves_by, None
-        if at < self.log_start:
-            raise OffsetOutOfRangeError({tp: at})
-        got = self.records[at: at + 4]
-        self.position_of[tp] = at + len(got)
-        return {tp: got} if got else {}
+def output_reader(results: int, log_start: int, moves_at: int | None = None, moves_to: int = 0):
+    """The job's output partition holding `results` results; see RetainedPartition."""
+    enc = msgspec.json.Encoder()
+    records = [
+        ConsumerRecord(JOB.out, 0, o, 0, 0, f"e{o}".encode(),
+                       enc.encode(BackfillResult(event_id=f"e{o}", topic=JOB.source, partition=0, offset=o,
+                                                 template="fraud", label="ok")), None, 0, 0,
+                       ((JOB_HEADER, JOB.id.encode()), (SOURCE_HEADER, f"0:{o}".encode())))
+        for o in range(results)]
+    return RetainedPartition(records, log_start, moves_at, moves_to)
 
 
 @pytest.mark.parametrize("scan_from, log_start, moves_at, moves_by, found", [
@@ -65,14 +37,14 @@ class OutputReader:
 async def test_the_scan_finds_every_result_still_in_the_output(tmp_path, scan_from, log_start, moves_at, moves_by,
                                                               found):
     backfill = Backfill(load(environ={}), topics.load(), JOB, state_dir=tmp_path, lease=False)
-    reader = OutputReader(10, log_start, moves_at, moves_by)
+    reader = output_reader(10, log_start, moves_at, moves_by)
     await backfill._scan_out(reader, {0: scan_from}, {0: 10})
     assert sorted(o for _, o in backfill._landed) == list(found)
 
 
 async def test_an_offset_out_of_range_above_the_first_record_stops_the_scan(tmp_path):
     backfill = Backfill(load(environ={}), topics.load(), JOB, state_dir=tmp_path, lease=False)
-    reader = OutputReader(10, 0)
+    reader = output_reader(10, 0)
 
     async def topic_created_again(*tps, timeout_ms=0):
         raise OffsetOutOfRangeError({OUT: 7})

@@ -1,8 +1,8 @@
 import pytest
-from aiokafka.errors import OffsetOutOfRangeError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from schemas import dlq
+from tests.unit.retained import RetainedPartition
 from worker.dead_letters import DeadLetter, ListingBroken, read_range
 
 REQUESTS = {"sluice.requests.standard"}
@@ -39,32 +39,9 @@ def test_a_line_names_when_where_why_and_the_start_of_the_bytes():
 DLQ = TopicPartition("sluice.dlq", 0)
 
 
-class DeadLetterPartition:
-    """The dead-letter partition as aiokafka's consumer reads it with `auto_offset_reset="none"`:
-    a position below the first record left raises. Once reading reaches `moves_at`, retention
-    removes every record below `moves_to`, as it may while a long listing runs."""
-
-    def __init__(self, records: int, log_start: int = 0, moves_at: int | None = None, moves_to: int = 0):
-        self.records = [ConsumerRecord(DLQ.topic, 0, o, 0, 0, b"k", b"{}", None, 1, 2, ()) for o in range(records)]
-        self.log_start, self.moves_at, self.moves_to, self.at = log_start, moves_at, moves_to, None
-
-    def seek(self, tp, offset: int) -> None:
-        self.at = offset
-
-    async def position(self, tp) -> int:
-        return self.at
-
-    async def beginning_offsets(self, tps) -> dict:
-        return {tp: self.log_start for tp in tps}
-
-    async def getmany(self, tp, timeout_ms: int = 0) -> dict:
-        if self.moves_at is not None and self.at >= self.moves_at:
-            self.log_start, self.moves_at = self.moves_to, None
-        if self.at < self.log_start or self.at > len(self.records):
-            raise OffsetOutOfRangeError({tp: self.at})
-        got = self.records[self.at: self.at + 3]
-        self.at += len(got)
-        return {tp: got}
+def dead_letter_partition(records: int, log_start: int = 0, moves_at: int | None = None, moves_to: int = 0):
+    return RetainedPartition([ConsumerRecord(DLQ.topic, 0, o, 0, 0, b"k", b"{}", None, 1, 2, ()) for o in range(records)],
+                             log_start, moves_at, moves_to, per_read=3)
 
 
 @pytest.mark.parametrize("lo, hi, log_start, moves_at, moves_to, listed, removed", [
@@ -74,13 +51,13 @@ class DeadLetterPartition:
 ])
 async def test_a_listing_counts_what_retention_removed_while_it_read_and_goes_on(lo, hi, log_start, moves_at,
                                                                                  moves_to, listed, removed):
-    partition, seen = DeadLetterPartition(10, log_start, moves_at, moves_to), []
+    partition, seen = dead_letter_partition(10, log_start, moves_at, moves_to), []
     assert await read_range(partition, DLQ, lo, hi, lambda rec: seen.append(rec.offset)) == removed
     assert seen == list(listed)  # the client's default reset ("latest") would have ended at the first removal
 
 
 async def test_a_listing_whose_partition_was_created_again_stops_with_why():
-    partition = DeadLetterPartition(4)
+    partition = dead_letter_partition(4)
     partition.records = partition.records[:2]  # the topic created again, shorter: offset 3 is past its end
     with pytest.raises(ListingBroken, match="created again"):
         await read_range(partition, DLQ, 3, 4, lambda rec: None)
