@@ -35,6 +35,7 @@ class MemoryBroker:
         self.created: set[str] = set()
         self.deleted: set[str] = set()  # what metadata says no longer exists (records kept: reads go on)
         self.unreachable = False  # True: metadata requests get no answer (a broker killed or cut off)
+        self.fetches_held = False  # True: fetches get no answer while metadata does (a leader cut off)
 
     def create(self, *topics: str) -> None:
         self.created.update(topics)
@@ -94,6 +95,7 @@ class MemoryConsumer:
         self.commit_error: Exception | None = None
         self.join_held: asyncio.Event | None = None
         self.polls = 0
+        self._answers: dict[TopicPartition, int] = {}  # fetch answers per partition (worker/fetch_watch.py)
 
     def subscribe(self, topics, listener=None) -> None:
         self.topics, self.listener = list(topics), listener
@@ -128,6 +130,10 @@ class MemoryConsumer:
 
     def partitions_for_topic(self, topic: str) -> set[int] | None:
         return set(range(self.broker.partitions)) if topic in self.topics else None
+
+    def answer_marks(self) -> dict:
+        """Each assigned, unpaused partition -> how many fetches for it were answered."""
+        return {tp: self._answers.get(tp, 0) for tp in self._assigned if tp not in self._paused}
 
     def pause(self, *tps) -> None:
         self._paused.update(tps)
@@ -165,6 +171,11 @@ class MemoryConsumer:
         if self.failing is not None:
             raise self.failing
         end = time.monotonic() + timeout_ms / 1000
+        if self.broker.fetches_held:  # the wait passes with nothing, as a fetch the client gave up on
+            await asyncio.sleep(timeout_ms / 1000)
+            return {}
+        for tp in tps or self._assigned:
+            self._answers[tp] = self._answers.get(tp, 0) + 1
         while True:
             got, budget = {}, max_records or 1 << 30
             for tp in tps or sorted(self._assigned):

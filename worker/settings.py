@@ -240,6 +240,11 @@ class HealthSettings(_Section):
     # No broker answering those asks for this long fails the worker, busy or idle: the Kafka client
     # retries an unreachable broker for ever, and an idle worker has no reply or commit to fail.
     broker_outage_s: Seconds = 120.0
+    # A partition the worker would read now (assigned, not paused) whose fetches no broker has answered
+    # for this long fails the worker, so that the group gives it to another: a broker that answers
+    # metadata but not fetches (a partition's leader cut off from this worker) is retried for ever by
+    # the Kafka client while every poll returns empty (worker/fetch_watch.py). 0: off.
+    fetch_outage_s: SecondsOrOff = 120.0
 
 
 class WorkerSettings(_Section):

@@ -18,6 +18,7 @@ import structlog
 
 from worker import metrics
 from worker.engine_frozen import FrozenWatch
+from worker.fetch_watch import FetchWatch
 from worker.reply_batches import BrokerUnanswered
 
 log = structlog.get_logger("sluice.supervisor")
@@ -183,10 +184,11 @@ class Liveness:
 async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emitter, commits, *, stall_s: float,
                   poll_stall_s: float, health_interval_s: float, outage_s: float, commit_outage_s: float,
                   group_join_s: float, broker_outage_s: float = 120.0, frozen_s: float = 0.0,
-                  tick_s: float = 0.5) -> None:
+                  fetches: FetchWatch | None = None, fetch_outage_s: float = 0.0, tick_s: float = 0.5) -> None:
     """Fail the worker when the engine is dead or stalled, an intake loop stopped, replies cannot go out,
     offsets cannot be committed, a rejoin of its consumer group does not complete, or no broker has
-    answered for `broker_outage_s`.
+    answered for `broker_outage_s`, or a partition it would read has had no fetch answered for
+    `fetch_outage_s` (`worker/fetch_watch.py`).
 
     `busy()` is true while requests wait for or hold an engine slot: only then does a
     lack of engine progress mean a stall. A busy engine whose processes also stopped using CPU for
@@ -230,6 +232,14 @@ async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emit
             # broker for ever, and every poll still returns (empty) behind a green /readyz
             supervisor.fail(f"broker unanswered for {liveness.broker_outage_for(now):.0f} s "
                             f"(SLUICE_BROKER_OUTAGE_S={broker_outage_s:g}): {liveness.broker_silence}")
+        if fetches is not None and fetch_outage_s:
+            fetches.sample(now)
+            if (waited := fetches.longest(now)) > fetch_outage_s:
+                # the topic watch's metadata asks are answered, so the broker outage above does not see it
+                late = fetches.waiting(now, fetch_outage_s)
+                named = ", ".join(late[:4]) + (f" and {len(late) - 4} more" if len(late) > 4 else "")
+                supervisor.fail(f"fetches unanswered for {waited:.0f} s (SLUICE_FETCH_OUTAGE_S={fetch_outage_s:g}): "
+                                f"{named} unread: no broker answers this worker's fetches for them")
         if now - last_health >= health_interval_s:
             last_health = now
             try:

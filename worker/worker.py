@@ -33,6 +33,7 @@ from worker.consumer_stop import stop_consumer
 from worker.dispatch import Dispatcher
 from worker.emitter import Emitter, kafka_producer
 from worker.engine import Engine
+from worker.fetch_watch import FetchWatch, answer_marks
 from worker.group_guard import GroupGuard, leave_group
 from worker.intake import Intake, loop_name
 from worker.offsets import OffsetTracker
@@ -147,6 +148,7 @@ class Worker:
         self.answers = answers if answers is not None else answer_store(settings)
         self.supervisor = Supervisor()
         self.liveness = Liveness([loop_name(t) for t in catalog.requests])
+        self.fetches = FetchWatch(lambda: answer_marks(self.consumer))
         self.tracker = OffsetTracker()
         self.emitter = Emitter(producer, catalog.dlq.name, default_reply_topic=catalog.replies.name,
                                outage_s=settings.health.reply_outage_s, max_record_bytes=settings.worker.max_produce_bytes)
@@ -253,7 +255,8 @@ class Worker:
                                      stall_s=s.health.engine_stall_s, poll_stall_s=s.health.intake_stall_s,
                                      health_interval_s=s.health.engine_health_interval_s, outage_s=s.health.reply_outage_s,
                                      commit_outage_s=s.health.commit_outage_s, group_join_s=s.health.group_join_s,
-                                     broker_outage_s=s.health.broker_outage_s, frozen_s=s.health.engine_frozen_s))
+                                     broker_outage_s=s.health.broker_outage_s, frozen_s=s.health.engine_frozen_s,
+                                     fetches=self.fetches, fetch_outage_s=s.health.fetch_outage_s))
         guards = [g for g in (self.group_guard, getattr(self.engine, "guard", None)) if g is not None]
         sup.spawn("guard-watch", watch_guards(sup, guards))
         sup.spawn("topic-watch", watch_topics(sup, self.emitter.own_topics_unusable,
@@ -350,6 +353,7 @@ class Worker:
             "commit_outage_s": round(self.commits.outage_for(), 1),
             "out_of_group_s": round(self.liveness.out_of_group_for(now), 1),
             "broker_outage_s": round(self.liveness.broker_outage_for(now), 1),
+            "fetch_wait_s": round(self.fetches.longest(now), 1),
         }
         if self.supervisor.failure is not None:
             details["failure"] = self.supervisor.failure

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import uuid
 
 import pytest
@@ -21,9 +20,10 @@ import topics
 from loadgen.burst import run_burst
 from schemas import DoneReply
 from tests.integration.helpers import running_worker
+from tests.integration.kafka_proxy import start_broker_behind
 from tests.integration.secure_stack import HOST, KEY_PASSWORD, MutualTlsProxy, make_pki
 from topics.admin import apply
-from worker import devstack, preflight
+from worker import preflight
 
 pytestmark = pytest.mark.integration
 BROKER_PORT, PROXY_PORT = 19292, 19293
@@ -36,14 +36,7 @@ def pki(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 async def tls_broker(pki):
-    url = f"tcp://{HOST}:{BROKER_PORT}"
-    proc = subprocess.Popen([devstack.tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url",
-                             f"tcp://{HOST}:{PROXY_PORT}", "--storage-engine", "memory://tansu/"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    for _ in range(100):
-        if devstack.port_open(BROKER_PORT):
-            break
-        await asyncio.sleep(0.1)
+    proc = await start_broker_behind(BROKER_PORT, PROXY_PORT)
     proxy = await MutualTlsProxy(pki, PROXY_PORT, BROKER_PORT).start()
     yield proxy
     await proxy.stop()

@@ -214,6 +214,53 @@ async def test_a_broker_away_for_less_than_the_bound_is_ridden_out(monkeypatch):
     assert await asyncio.wait_for(run.task, 10) == 0
 
 
+async def test_a_worker_whose_fetches_go_unanswered_fails_closed_naming_them(monkeypatch):
+    """A broker that answers metadata but not fetches (a partition's leader cut off from this worker):
+    every poll returns empty and the topic watch is answered, so the worker stayed ready with its
+    partitions unread (by hand, on the real broker behind a proxy: 3 minutes). Now the fetch watch
+    fails it, and its partitions go to the group's other workers."""
+    mem = Memory(engine=FakeEngine(), fetch_outage_s=3, topic_check_interval_s=0.2)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    await asyncio.sleep(4)  # idle past the bound: the idle polls' answers keep it ready
+    status, body = await http_get(run.port, "/readyz")
+    assert status == 200 and json.loads(body)["fetch_wait_s"] < 2, body
+    since = time.monotonic()
+    mem.broker.fetches_held = True
+    assert await asyncio.wait_for(run.task, 10) == 1  # nothing to drain: it exits at once
+    assert 2 <= time.monotonic() - since < 6  # counted from the last answer: up to an idle wait (1 s) before
+    failure = run.worker.supervisor.failure
+    assert failure.startswith("fetches unanswered for ") and "(SLUICE_FETCH_OUTAGE_S=3): " in failure, failure
+    assert "sluice.requests.realtime[0]" in failure and " and 2 more unread" in failure, failure  # 6 partitions
+    assert run.worker.liveness.broker_silence is None  # the topic watch's asks were answered throughout
+
+
+async def test_a_busy_worker_whose_fetches_go_unanswered_says_503_naming_it(monkeypatch):
+    mem, run = await started_busy(monkeypatch, fetch_outage_s=2)
+    since = time.monotonic()
+    mem.broker.fetches_held = True
+    await run.fails_closed(since, "(SLUICE_FETCH_OUTAGE_S=2)")
+    assert "slow" in mem.finals()  # the request in flight was answered in the drain
+
+
+async def test_fetches_held_for_less_than_the_bound_are_ridden_out(monkeypatch):
+    mem = Memory(engine=FakeEngine(), fetch_outage_s=4)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    mem.broker.fetches_held = True
+    await asyncio.sleep(2.5)
+    status, body = await http_get(run.port, "/readyz")
+    assert status == 200 and json.loads(body)["fetch_wait_s"] >= 1.5, body
+    mem.broker.fetches_held = False
+    mem.send("realtime", J({"id": "after", "prompt": "x", "max_tokens": 2}), b"after")
+    assert await answered(mem, "after")
+    await asyncio.sleep(1)
+    status, body = await http_get(run.port, "/readyz")
+    assert status == 200 and json.loads(body)["fetch_wait_s"] < 1.5, body
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert await asyncio.wait_for(run.task, 10) == 0
+
+
 async def test_a_broker_outage_counts_from_the_start_at_the_earliest():
     """A worker is built before its start checks and first group join (which may take up to
     SLUICE_GROUP_JOIN_S): an outage that begins at the first ask after the start counts from the
