@@ -234,8 +234,8 @@ async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emit
                             f"(SLUICE_BROKER_OUTAGE_S={broker_outage_s:g}): {liveness.broker_silence}")
         if fetches is not None and fetch_outage_s:
             fetches.sample(now)
-            if (waited := fetches.longest(now)) > fetch_outage_s:
-                # the topic watch's metadata asks are answered, so the broker outage above does not see it
+            # only while the topic watch's asks are answered: a broker that answers nothing is the outage above
+            if (waited := fetches.longest(now)) > fetch_outage_s and liveness.broker_silence is None:
                 late = fetches.waiting(now, fetch_outage_s)
                 named = ", ".join(late[:4]) + (f" and {len(late) - 4} more" if len(late) > 4 else "")
                 supervisor.fail(f"fetches unanswered for {waited:.0f} s (SLUICE_FETCH_OUTAGE_S={fetch_outage_s:g}): "

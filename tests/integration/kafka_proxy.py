@@ -52,12 +52,14 @@ class FetchHoldingProxy:
         self.held = 0
         self._server = None
         self._writers: set = set()
+        self._connections: set = set()
 
     async def start(self) -> "FetchHoldingProxy":
         self._server = await asyncio.start_server(self._serve, HOST, self.listen_port)
         return self
 
     async def _serve(self, reader, writer) -> None:
+        self._connections.add(asyncio.current_task())
         try:
             up_reader, up_writer = await asyncio.open_connection(HOST, self.broker_port)
         except OSError:
@@ -98,3 +100,5 @@ class FetchHoldingProxy:
             self._server.close()
         for w in self._writers:
             w.close()
+        if self._connections:  # each ends on its closed streams; left pending, the loop's close would cancel them
+            await asyncio.wait(self._connections, timeout=5)

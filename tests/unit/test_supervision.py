@@ -243,6 +243,16 @@ async def test_a_busy_worker_whose_fetches_go_unanswered_says_503_naming_it(monk
     assert "slow" in mem.finals()  # the request in flight was answered in the drain
 
 
+async def test_a_broker_that_answers_nothing_is_named_as_such_not_as_unanswered_fetches(monkeypatch):
+    """With no answer to metadata either, the fetch bound (shorter here) waits for the broker outage's."""
+    mem = Memory(engine=FakeEngine(), fetch_outage_s=1.5, topic_check_interval_s=0.2, broker_outage_s=3)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    mem.broker.unreachable = mem.broker.fetches_held = True
+    assert await asyncio.wait_for(run.task, 10) == 1
+    assert run.worker.supervisor.failure.startswith("broker unanswered for 3 s"), run.worker.supervisor.failure
+
+
 async def test_fetches_held_for_less_than_the_bound_are_ridden_out(monkeypatch):
     mem = Memory(engine=FakeEngine(), fetch_outage_s=4)
     run = Run(monkeypatch, mem)
