@@ -54,6 +54,11 @@ class FetchWatch:
             since[tp] = seen if seen is not None and seen[0] == mark else (mark, now)
         self._since = since
 
+    def forget(self) -> None:
+        """Count every wait afresh from the next sample: while no broker answers at all, that outage
+        has its own bound, and fetches resuming after it get this one in full."""
+        self._since = {}
+
     def longest(self, now: float) -> float:
         """Seconds the partition that has waited longest has waited (0.0 when none waits)."""
         return now - min(at for _, at in self._since.values()) if self._since else 0.0

@@ -233,13 +233,15 @@ async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emit
             supervisor.fail(f"broker unanswered for {liveness.broker_outage_for(now):.0f} s "
                             f"(SLUICE_BROKER_OUTAGE_S={broker_outage_s:g}): {liveness.broker_silence}")
         if fetches is not None and fetch_outage_s:
-            fetches.sample(now)
-            # only while the topic watch's asks are answered: a broker that answers nothing is the outage above
-            if (waited := fetches.longest(now)) > fetch_outage_s and liveness.broker_silence is None:
-                late = fetches.waiting(now, fetch_outage_s)
-                named = ", ".join(late[:4]) + (f" and {len(late) - 4} more" if len(late) > 4 else "")
-                supervisor.fail(f"fetches unanswered for {waited:.0f} s (SLUICE_FETCH_OUTAGE_S={fetch_outage_s:g}): "
-                                f"{named} unread: no broker answers this worker's fetches for them")
+            if liveness.broker_silence is not None:
+                fetches.forget()  # a broker that answers nothing is the outage above, with its own bound
+            else:
+                fetches.sample(now)
+                if (waited := fetches.longest(now)) > fetch_outage_s:
+                    late = fetches.waiting(now, fetch_outage_s)
+                    named = ", ".join(late[:4]) + (f" and {len(late) - 4} more" if len(late) > 4 else "")
+                    supervisor.fail(f"fetches unanswered for {waited:.0f} s (SLUICE_FETCH_OUTAGE_S={fetch_outage_s:g}): "
+                                    f"{named} unread: no broker answers this worker's fetches for them")
         if now - last_health >= health_interval_s:
             last_health = now
             try:

@@ -38,6 +38,14 @@ def test_longest_wait(samples, now, longest):
     assert watched(samples).longest(now) == longest
 
 
+def test_waits_forgotten_while_no_broker_answers_count_afresh():
+    watch = watched([(0.0, {A: 1}), (10.0, {A: 1})])
+    watch.forget()
+    assert watch.longest(10.0) == 0.0
+    watch.sample(12.0)
+    assert watch.longest(15.0) == 3.0
+
+
 def test_the_partitions_past_a_bound_are_named_longest_first():
     watch = watched([(0.0, {A: 1, B: 1}), (3.0, {A: 1, B: 2}), (9.0, {A: 1, B: 2})])
     assert watch.waiting(9.0, 5.0) == ["sluice.requests.realtime[0]", "sluice.requests.batch[3]"]

@@ -253,6 +253,26 @@ async def test_a_broker_that_answers_nothing_is_named_as_such_not_as_unanswered_
     assert run.worker.supervisor.failure.startswith("broker unanswered for 3 s"), run.worker.supervisor.failure
 
 
+async def test_fetches_get_their_whole_bound_again_after_a_broker_outage_ridden_out(monkeypatch):
+    """A broker away for longer than the fetch bound but less than its own: it answers metadata again
+    first, and the fetches that resume a moment later are not taken for an outage of their own."""
+    mem = Memory(engine=FakeEngine(), fetch_outage_s=3, topic_check_interval_s=0.2, broker_outage_s=8)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    await asyncio.sleep(1)  # the watch has seen every partition answered
+    mem.broker.unreachable = mem.broker.fetches_held = True
+    await asyncio.sleep(4)
+    mem.broker.unreachable = False
+    await asyncio.sleep(0.5)  # metadata answered again, fetches not yet
+    mem.broker.fetches_held = False
+    await asyncio.sleep(3)
+    assert not run.task.done(), run.worker.supervisor.failure
+    status, body = await http_get(run.port, "/readyz")
+    assert status == 200 and json.loads(body)["fetch_wait_s"] < 1.5, body
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert await asyncio.wait_for(run.task, 10) == 0
+
+
 async def test_fetches_held_for_less_than_the_bound_are_ridden_out(monkeypatch):
     mem = Memory(engine=FakeEngine(), fetch_outage_s=4)
     run = Run(monkeypatch, mem)
