@@ -113,6 +113,8 @@ tenant_requests = Counter("sluice_tenant_requests_total",
                           f"by this process by name, later ones as {OTHER_TENANTS})", ["tenant", "outcome"],
                           registry=REGISTRY)
 ready = Gauge("sluice_ready", "1 while /readyz answers 200 (read at each scrape)", registry=REGISTRY)
+fetch_wait = Gauge("sluice_fetch_wait_seconds", "How long the partition the worker would read that has waited longest "
+                   "for a fetch answer has waited; the worker fails at SLUICE_FETCH_OUTAGE_S", registry=REGISTRY)
 time_to_first_token = Histogram("sluice_time_to_first_token_seconds", "From record timestamp to first token",
                                 ["class"], buckets=LATENCY_BUCKETS, registry=REGISTRY)
 end_to_end = Histogram("sluice_end_to_end_seconds", "From record timestamp to done/error produced",

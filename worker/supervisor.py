@@ -235,9 +235,11 @@ async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emit
         if fetches is not None and fetch_outage_s:
             if liveness.broker_silence is not None:
                 fetches.forget()  # a broker that answers nothing is the outage above, with its own bound
+                metrics.fetch_wait.set(0)
             else:
                 fetches.sample(now)
-                if (waited := fetches.longest(now)) > fetch_outage_s:
+                metrics.fetch_wait.set(waited := fetches.longest(now))
+                if waited > fetch_outage_s:
                     late = fetches.waiting(now, fetch_outage_s)
                     named = ", ".join(late[:4]) + (f" and {len(late) - 4} more" if len(late) > 4 else "")
                     supervisor.fail(f"fetches unanswered for {waited:.0f} s (SLUICE_FETCH_OUTAGE_S={fetch_outage_s:g}): "

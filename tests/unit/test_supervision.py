@@ -8,6 +8,7 @@ seconds, with the reason, and `run_worker` returns 1 (the process's exit code) w
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 
@@ -281,6 +282,8 @@ async def test_fetches_held_for_less_than_the_bound_are_ridden_out(monkeypatch):
     await asyncio.sleep(2.5)
     status, body = await http_get(run.port, "/readyz")
     assert status == 200 and json.loads(body)["fetch_wait_s"] >= 1.5, body
+    exposition = (await http_get(run.port, "/metrics"))[1]
+    assert float(re.search(r"^sluice_fetch_wait_seconds (\S+)$", exposition, re.M).group(1)) >= 1.5
     mem.broker.fetches_held = False
     mem.send("realtime", J({"id": "after", "prompt": "x", "max_tokens": 2}), b"after")
     assert await answered(mem, "after")
