@@ -122,8 +122,9 @@ async def _all_answered(ids: set, arrived: dict, within_s: float) -> bool:
 async def test_a_worker_whose_fetches_go_unanswered_fails_and_another_answers_its_partitions(
         settings, model_dir, proxy, tmp_path):
     """Two workers in one group; one's fetches stop being answered (its other connections and the
-    other worker are served). It says 503 naming them after SLUICE_FETCH_OUTAGE_S and exits 1; the
-    group gives its partitions to the other worker, which answers every request sent meanwhile."""
+    other worker are served). It fails naming them after SLUICE_FETCH_OUTAGE_S (503, or its log where
+    it exits between two looks: idle, it has nothing to drain) and exits 1; the group gives its
+    partitions to the other worker, which answers every request sent meanwhile."""
     opts = settings.override(kafka_bootstrap=f"{HOST}:{PROXY_PORT}").kafka.options()
     catalog = topics.load().renamed(f"f{uuid.uuid4().hex[:6]}.")
     await apply(opts, catalog)
