@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from worker.logs import partition_name
+
 
 def answer_marks(consumer) -> dict:
     """Each waiting partition of `consumer` -> a mark that changes with every fetch answer for it.
@@ -65,6 +67,6 @@ class FetchWatch:
 
     def waiting(self, now: float, at_least_s: float) -> list[str]:
         """The partitions that have waited at least `at_least_s`, longest first, as `topic[partition]`."""
-        late = sorted((at, f"{tp.topic}[{tp.partition}]") for tp, (_, at) in self._since.items()
+        late = sorted((at, partition_name(tp)) for tp, (_, at) in self._since.items()
                       if now - at >= at_least_s)
         return [name for _, name in late]

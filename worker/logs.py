@@ -18,6 +18,11 @@ _json = msgspec.json.Encoder(enc_hook=repr)
 _json_fallback = structlog.processors.JSONRenderer()
 
 
+def partition_name(tp) -> str:
+    """A topic partition as log lines and failure reasons write it: `topic[partition]`."""
+    return f"{tp.topic}[{tp.partition}]"
+
+
 def render_json(logger, name, event_dict: dict) -> str:
     try:
         return _json.encode(event_dict).decode()

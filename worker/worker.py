@@ -36,6 +36,7 @@ from worker.engine import Engine
 from worker.fetch_watch import FetchWatch, answer_marks
 from worker.group_guard import GroupGuard, leave_group
 from worker.intake import Intake, loop_name
+from worker.logs import partition_name
 from worker.offsets import OffsetTracker
 from worker.policy import ClassPolicy, Scheduler
 from worker.replies import Replies
@@ -131,7 +132,7 @@ class _Rebalance(ConsumerRebalanceListener):
         # aiokafka keeps the member id on its coordinator; the guard needs it to leave for a dead worker
         coordinator = getattr(self.worker.consumer, "_coordinator", None)
         self.worker.group_guard.joined(getattr(coordinator, "member_id", ""))
-        log.info("partitions_assigned", partitions=sorted(f"{tp.topic}[{tp.partition}]" for tp in assigned),
+        log.info("partitions_assigned", partitions=sorted(map(partition_name, assigned)),
                  generation=getattr(coordinator, "generation", None))
 
 
@@ -395,7 +396,7 @@ class Worker:
         await self.commits.commit(only=revoked)
         self.tracker.forget(revoked)
         metrics.revoke_aborted.inc(aborted)
-        log.info("partitions_revoked", partitions=sorted(f"{tp.topic}[{tp.partition}]" for tp in revoked),
+        log.info("partitions_revoked", partitions=sorted(map(partition_name, revoked)),
                  waiting_dropped=len(dropped), aborted=aborted)
 
     def in_flight(self) -> int:

@@ -30,6 +30,18 @@ async def start_broker_behind(broker_port: int, proxy_port: int) -> subprocess.P
     raise RuntimeError(f"the test's broker did not listen on {broker_port}")
 
 
+async def pipe(src, dst) -> None:
+    """Bytes from `src` to `dst` until either side closes; then `dst` is closed."""
+    try:
+        while data := await src.read(65536):
+            dst.write(data)
+            await dst.drain()
+    except (OSError, asyncio.IncompleteReadError):
+        pass
+    finally:
+        dst.close()
+
+
 def _is_fetch_of(frame: bytes, client_id: str) -> bool:
     """Whether a request frame is a Fetch sent by `client_id`: the request header is the api key
     (int16), api version (int16), correlation id (int32), then the client id (int16 length, bytes)."""
@@ -66,7 +78,7 @@ class FetchHoldingProxy:
             writer.close()
             return
         self._writers.update((writer, up_writer))
-        answers = asyncio.ensure_future(self._pass_answers(up_reader, writer))
+        answers = asyncio.ensure_future(pipe(up_reader, writer))
         held = False
         try:
             while True:
@@ -83,17 +95,6 @@ class FetchHoldingProxy:
         finally:
             up_writer.close()
             answers.cancel()
-
-    @staticmethod
-    async def _pass_answers(up_reader, writer) -> None:
-        try:
-            while data := await up_reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        except OSError:
-            pass
-        finally:
-            writer.close()
 
     async def stop(self) -> None:
         if self._server is not None:

@@ -184,6 +184,8 @@ class MutualTlsProxy:
     async def _serve(self, reader, writer) -> None:
         import asyncio
 
+        from tests.integration.kafka_proxy import pipe
+
         cert = writer.get_extra_info("peercert")
         self.verified.append(dict(x[0] for x in cert["subject"])["commonName"])
         try:
@@ -191,16 +193,6 @@ class MutualTlsProxy:
         except OSError:
             writer.close()
             return
-
-        async def pipe(src, dst):
-            try:
-                while data := await src.read(65536):
-                    dst.write(data)
-                    await dst.drain()
-            except (OSError, asyncio.IncompleteReadError):
-                pass
-            finally:
-                dst.close()
 
         await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
 
