@@ -61,6 +61,10 @@ class FetchWatch:
         has its own bound, and fetches resuming after it get this one in full."""
         self._since = {}
 
+    def discount(self, shift) -> None:
+        """Each wait's start through `shift` (`worker/supervisor.py: unseen`): time the worker did not run."""
+        self._since = {tp: (mark, shift(at)) for tp, (mark, at) in self._since.items()}
+
     def longest(self, now: float) -> float:
         """Seconds the partition that has waited longest has waited (0.0 when none waits)."""
         return now - min(at for _, at in self._since.values()) if self._since else 0.0

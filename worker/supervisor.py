@@ -23,6 +23,26 @@ from worker.reply_batches import BrokerUnanswered
 
 log = structlog.get_logger("sluice.supervisor")
 
+# A monitor tick this late means the worker itself did not run: its process stopped (SIGSTOP, a paused
+# VM or container, a stalled host) or its event loop was held. Well above a long garbage collection.
+SUSPENDED_S = 5.0
+
+
+def unseen(late_s: float, now: float):
+    """The time stamps of the monitor's waits with the `late_s` seconds the worker did not run taken out.
+
+    Nothing the worker watches could answer it while it did not run, and nothing it would fail could
+    happen in it: after a pause past a bound (by hand, 150 s), every wait counted from before it read as
+    past its bound at the first tick, and the worker exited naming a fault it never had (`fetches
+    unanswered`, no broker at fault). A stamp from before the pause moves on by its length (never past
+    `now`); one taken since the worker woke is kept. A fault that outlasts the pause is still failed,
+    once its whole bound has passed while the worker runs."""
+    woke_by = now - late_s / 2  # stamps are from before the pause (at most a tick into it) or after it
+
+    def shift(at: float | None) -> float | None:
+        return at if at is None or at > woke_by else min(at + late_s, now)
+    return shift
+
 
 class Supervisor:
     def __init__(self):
@@ -151,6 +171,13 @@ class Liveness:
         self.broker_answered_at = now
         self.broker_silence: str | None = None  # why the latest ask got no answer; None once one does
 
+    def discount(self, shift) -> None:
+        """Every stamp through `shift` (`unseen`): the time the worker did not run taken out."""
+        self.engine_progress = shift(self.engine_progress)
+        self.polls = {cls: shift(at) for cls, at in self.polls.items()}
+        self.out_of_group_since = shift(self.out_of_group_since)
+        self.broker_answered_at = shift(self.broker_answered_at)
+
     def broker_answered(self) -> None:
         self.broker_answered_at = time.monotonic()
         self.broker_silence = None
@@ -194,62 +221,91 @@ async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emit
     lack of engine progress mean a stall. A busy engine whose processes also stopped using CPU for
     `frozen_s` is frozen (`worker/engine_frozen.py`), found well before the stall bound.
     """
-    last_health = time.monotonic()
+    last_health = resumed_at = time.monotonic()
+    health: asyncio.Task | None = None  # the engine's health check under way
+    health_asked_at = last_health
     frozen = FrozenWatch(frozen_s)
-    while supervisor.failure is None:
-        asleep = time.monotonic()
-        await asyncio.sleep(tick_s)
-        now = time.monotonic()
-        metrics.event_loop_lag.observe(max(0.0, now - asleep - tick_s))
-        if busy():
-            frozen.sample(now, engine.cpu_times())
-            if now - liveness.engine_progress > stall_s:
-                supervisor.fail(f"engine stalled: work waiting and no engine progress for "
-                                f"{now - liveness.engine_progress:.0f} s (SLUICE_ENGINE_STALL_S={stall_s:g})", drain=False)
-            elif (used := frozen.frozen(now, liveness.engine_progress)) is not None:
-                supervisor.fail(f"engine frozen: requests in the engine and no progress for "
-                                f"{now - liveness.engine_progress:.0f} s, while its processes used {used:.2f} s of CPU "
-                                f"(SLUICE_ENGINE_FROZEN_S={frozen_s:g})", drain=False)
-        else:
-            frozen.sample(now, None)
-            liveness.engine_moved()  # idle is not stalled: the clock starts when work arrives
-        for cls, at in liveness.polls.items():
-            if now - at > poll_stall_s:
-                supervisor.fail(f"intake {cls} stopped polling {now - at:.0f} s ago "
-                                f"(SLUICE_INTAKE_STALL_S={poll_stall_s:g})")
-        if emitter.outage_for() > outage_s:
-            supervisor.fail(f"replies could not be produced for {emitter.outage_for():.0f} s "
-                            f"(SLUICE_REPLY_OUTAGE_S={outage_s:g})")
-        if commits.outage_for() > commit_outage_s:
-            supervisor.fail(f"offsets could not be committed for {commits.outage_for():.0f} s "
-                            f"(SLUICE_COMMIT_OUTAGE_S={commit_outage_s:g}): {commits.last_error[:300] or 'no answer from the broker'}")
-        if liveness.out_of_group_for(now) > group_join_s:
-            # a join the coordinator holds raises nothing: aiokafka waits on it for ever
-            supervisor.fail(f"group rejoin not completed after {liveness.out_of_group_for(now):.0f} s "
-                            f"(SLUICE_GROUP_JOIN_S={group_join_s:g}): outside its consumer group the worker reads nothing")
-        if liveness.broker_outage_for(now) > broker_outage_s:
-            # an idle worker has no reply or commit to fail: its consumer retries an unreachable
-            # broker for ever, and every poll still returns (empty) behind a green /readyz
-            supervisor.fail(f"broker unanswered for {liveness.broker_outage_for(now):.0f} s "
-                            f"(SLUICE_BROKER_OUTAGE_S={broker_outage_s:g}): {liveness.broker_silence}")
-        if fetches is not None and fetch_outage_s:
-            if liveness.broker_silence is not None:
-                fetches.forget()  # a broker that answers nothing is the outage above, with its own bound
-                metrics.fetch_wait.set(0)
+    try:
+        while supervisor.failure is None:
+            asleep = time.monotonic()
+            await asyncio.sleep(tick_s)
+            now = time.monotonic()
+            late = now - asleep - tick_s
+            metrics.event_loop_lag.observe(max(0.0, late))
+            if late > SUSPENDED_S:
+                resumed_at = now
+                shift = unseen(late, now)
+                liveness.discount(shift)
+                emitter.failing_since = shift(emitter.failing_since)
+                commits.waiting_since = shift(commits.waiting_since)
+                if fetches is not None:
+                    fetches.discount(shift)
+                log.warning("worker_resumed", unseen_s=round(late, 1),
+                            note="the worker did not run (process stopped, VM paused, event loop held): "
+                                 "its health bounds leave this time out")
+            if busy():
+                frozen.sample(now, engine.cpu_times())
+                if now - liveness.engine_progress > stall_s:
+                    supervisor.fail(f"engine stalled: work waiting and no engine progress for "
+                                    f"{now - liveness.engine_progress:.0f} s (SLUICE_ENGINE_STALL_S={stall_s:g})", drain=False)
+                elif (used := frozen.frozen(now, liveness.engine_progress)) is not None:
+                    supervisor.fail(f"engine frozen: requests in the engine and no progress for "
+                                    f"{now - liveness.engine_progress:.0f} s, while its processes used {used:.2f} s of CPU "
+                                    f"(SLUICE_ENGINE_FROZEN_S={frozen_s:g})", drain=False)
             else:
-                fetches.sample(now)
-                metrics.fetch_wait.set(waited := fetches.longest(now))
-                if waited > fetch_outage_s:
-                    late = fetches.waiting(now, fetch_outage_s)
-                    named = ", ".join(late[:4]) + (f" and {len(late) - 4} more" if len(late) > 4 else "")
-                    supervisor.fail(f"fetches unanswered for {waited:.0f} s (SLUICE_FETCH_OUTAGE_S={fetch_outage_s:g}): "
-                                    f"{named} unread: no broker answers this worker's fetches for them")
-        if now - last_health >= health_interval_s:
-            last_health = now
-            try:
-                answer_s = max(1.0, health_interval_s)
-                async with asyncio.timeout(answer_s + 5):  # the engine's own bound, and a margin for a hung check
-                    await engine.check_health(answer_s)
-            except Exception as exc:  # noqa: BLE001 - any failure of the check means the engine cannot serve
-                metrics.engine_up.set(0)
-                supervisor.fail(f"engine unhealthy: {exc!r}", drain=False)
+                frozen.sample(now, None)
+                liveness.engine_moved()  # idle is not stalled: the clock starts when work arrives
+            for cls, at in liveness.polls.items():
+                if now - at > poll_stall_s:
+                    supervisor.fail(f"intake {cls} stopped polling {now - at:.0f} s ago "
+                                    f"(SLUICE_INTAKE_STALL_S={poll_stall_s:g})")
+            if emitter.outage_for() > outage_s:
+                supervisor.fail(f"replies could not be produced for {emitter.outage_for():.0f} s "
+                                f"(SLUICE_REPLY_OUTAGE_S={outage_s:g})")
+            if commits.outage_for() > commit_outage_s:
+                supervisor.fail(f"offsets could not be committed for {commits.outage_for():.0f} s "
+                                f"(SLUICE_COMMIT_OUTAGE_S={commit_outage_s:g}): {commits.last_error[:300] or 'no answer from the broker'}")
+            if liveness.out_of_group_for(now) > group_join_s:
+                # a join the coordinator holds raises nothing: aiokafka waits on it for ever
+                supervisor.fail(f"group rejoin not completed after {liveness.out_of_group_for(now):.0f} s "
+                                f"(SLUICE_GROUP_JOIN_S={group_join_s:g}): outside its consumer group the worker reads nothing")
+            if liveness.broker_outage_for(now) > broker_outage_s:
+                # an idle worker has no reply or commit to fail: its consumer retries an unreachable
+                # broker for ever, and every poll still returns (empty) behind a green /readyz
+                supervisor.fail(f"broker unanswered for {liveness.broker_outage_for(now):.0f} s "
+                                f"(SLUICE_BROKER_OUTAGE_S={broker_outage_s:g}): {liveness.broker_silence}")
+            if fetches is not None and fetch_outage_s:
+                if liveness.broker_silence is not None:
+                    fetches.forget()  # a broker that answers nothing is the outage above, with its own bound
+                    metrics.fetch_wait.set(0)
+                else:
+                    fetches.sample(now)
+                    metrics.fetch_wait.set(waited := fetches.longest(now))
+                    if waited > fetch_outage_s:
+                        unread = fetches.waiting(now, fetch_outage_s)
+                        named = ", ".join(unread[:4]) + (f" and {len(unread) - 4} more" if len(unread) > 4 else "")
+                        supervisor.fail(f"fetches unanswered for {waited:.0f} s (SLUICE_FETCH_OUTAGE_S={fetch_outage_s:g}): "
+                                        f"{named} unread: no broker answers this worker's fetches for them")
+            if health is not None and health.done():
+                failed = asyncio.CancelledError() if health.cancelled() else health.exception()
+                health = None
+                if failed is not None and health_asked_at < resumed_at:
+                    # the worker stopped while the engine was asked: an engine stopped with it had no time to
+                    # answer before the check's bound ran out. Asked again, not failed
+                    log.warning("engine_health_asked_again", failed=repr(failed)[:200])
+                    last_health = -float("inf")
+                elif failed is not None:
+                    metrics.engine_up.set(0)
+                    supervisor.fail(f"engine unhealthy: {failed!r}", drain=False)
+            if health is None and now - last_health >= health_interval_s and supervisor.failure is None:
+                # a task of its own: the monitor's ticks, and so its sight of time the worker did not run, go on meanwhile
+                last_health = health_asked_at = now
+                health = asyncio.create_task(_engine_health(engine, max(1.0, health_interval_s)), name="sluice-engine-health")
+    finally:
+        if health is not None:
+            health.cancel()
+
+
+async def _engine_health(engine, answer_s: float) -> None:
+    async with asyncio.timeout(answer_s + 5):  # the engine's own bound, and a margin for a hung check
+        await engine.check_health(answer_s)

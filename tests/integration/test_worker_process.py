@@ -1,6 +1,7 @@
 """`sluice worker` as a process: readiness, metrics, and a SIGTERM drain that loses nothing."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -180,6 +181,62 @@ async def test_an_idle_worker_whose_engine_freezes_fails_closed(settings, catalo
     assert saw_503 is not None and "EngineUnanswered" in saw_503[1], (saw_503, worker_log[-3000:])
     assert saw_503[0] < 2 + 2 + 3, saw_503  # the health interval, the round trip's bound, the monitor's tick
     assert rc not in (None, 0), (rc, worker_log[-3000:])
+
+
+def _whole_worker(worker_pid: int) -> list[int]:
+    """A worker and every process under it (engine core, guards): what a paused VM or container stops."""
+    from worker import engine_guard
+
+    return [worker_pid, *engine_guard.descendants(engine_guard.parents(), worker_pid)]
+
+
+async def test_a_worker_stopped_whole_past_its_bounds_goes_on_when_it_wakes(settings, catalog, model_dir, tmp_path):
+    """Every process of a worker SIGSTOPped mid-request (as a paused VM or container stops them) for
+    longer than its health bounds and its group session, then SIGCONTed. Before, its first tick awake
+    found every wait past its bound and it exited 1 naming a fault it never had (by hand, 150 s at the
+    default bounds: `fetches unanswered`). Now it leaves that time out of its bounds, rejoins its group
+    and answers the request, and stays ready."""
+    proc, port, _ = await start_worker(catalog, model_dir, tmp_path, SLUICE_FETCH_OUTAGE_S="4",
+                                       SLUICE_INTAKE_STALL_S="4", SLUICE_ENGINE_STALL_S="6",
+                                       SLUICE_BROKER_OUTAGE_S="4", SLUICE_TOPIC_CHECK_INTERVAL_S="1",
+                                       SLUICE_KV_PAGES="false")
+    stopped: list[int] = []
+    try:
+        reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
+        await reader.start()
+        import msgspec
+        await produce(settings.kafka.options(), [(catalog.request_topic("standard").name, b"paused-1", msgspec.json.encode(
+            {"id": "paused-1", "prompt": "Count from 1 to 1000: 1, 2, 3,", "max_tokens": 200}), [])])
+        done, deadline = None, time.monotonic() + 240
+        while done is None and time.monotonic() < deadline:
+            async for r in reader.records():
+                if isinstance(r, TokenReply) and not stopped:
+                    stopped = _whole_worker(proc.pid)
+                    for pid in stopped:
+                        os.kill(pid, signal.SIGSTOP)
+                    await asyncio.sleep(14)  # past every bound above and the 10 s group session
+                    for pid in stopped:
+                        os.kill(pid, signal.SIGCONT)
+                    woke = time.monotonic()
+                elif isinstance(r, DoneReply):
+                    done = r
+        await reader.stop()
+        assert stopped, "no token arrived"
+        while time.monotonic() - woke < 10:  # well past every bound awake
+            assert proc.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
+            await asyncio.sleep(0.5)
+        status, body = http_get(port, "/readyz")
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        proc.send_signal(signal.SIGTERM)
+        rc = await asyncio.to_thread(proc.wait, 120)
+    worker_log = (tmp_path / "worker.log").read_text()
+    assert done is not None and done.id == "paused-1" and done.usage.completion_tokens > 0, worker_log[-3000:]
+    assert status == 200, (body, worker_log[-3000:])
+    assert '"worker_resumed"' in worker_log and '"worker_failed"' not in worker_log, worker_log[-3000:]
+    assert rc == 0, worker_log[-3000:]
 
 
 async def _loading_engine(proc, log) -> dict[int, int]:

@@ -17,7 +17,7 @@ from aiokafka.errors import (GroupAuthorizationFailedError, KafkaConnectionError
                              TopicAuthorizationFailedError)
 
 from tests.unit.harness import CATALOG, J, Memory
-from worker import service
+from worker import service, supervisor
 from worker.fake_engine import FakeEngine
 
 
@@ -294,6 +294,46 @@ async def test_fetches_held_for_less_than_the_bound_are_ridden_out(monkeypatch):
     assert await asyncio.wait_for(run.task, 10) == 0
 
 
+async def test_a_worker_that_did_not_run_past_its_bounds_goes_on_when_it_wakes(monkeypatch):
+    """The whole worker held past every bound, a request in flight (`time.sleep` holds its event loop,
+    and so the in-process engine, as a SIGSTOP or a paused VM holds the process). Before, its first
+    tick awake found every wait past its bound and failed it naming a fault it never had (by hand,
+    150 s SIGSTOPped: `fetches unanswered`, exit 1). Now it goes on and answers."""
+    monkeypatch.setattr(supervisor, "SUSPENDED_S", 2.0)  # 5 s in a worker, well under its bounds there
+    mem, run = await started_busy(monkeypatch, fetch_outage_s=1.5, engine_stall_s=1.5, intake_stall_s=1.5,
+                                  topic_check_interval_s=0.2, broker_outage_s=1.5)
+    assert "slow" not in mem.finals()
+    time.sleep(4)
+    await asyncio.sleep(3)
+    assert not run.task.done(), run.worker.supervisor.failure
+    assert "slow" in mem.finals()
+    status, body = await http_get(run.port, "/readyz")
+    assert status == 200 and json.loads(body)["fetch_wait_s"] < 1.5, body
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert await asyncio.wait_for(run.task, 10) == 0
+
+
+async def test_a_fault_that_outlasts_the_pause_fails_once_its_bound_passes_awake(monkeypatch):
+    """What the worker did not see is left out, not forgiven: fetches held from before the pause and
+    after it fail the worker once the bound has passed in the time it ran, not at its first tick."""
+    monkeypatch.setattr(supervisor, "SUSPENDED_S", 2.0)
+    mem = Memory(engine=FakeEngine(), fetch_outage_s=3, topic_check_interval_s=0.2)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    await asyncio.sleep(1)
+    mem.broker.fetches_held = True
+    time.sleep(4)
+    woke = time.monotonic()
+    while run.worker.supervisor.failure is None:
+        assert time.monotonic() - woke < 6, "the held fetches were never failed"
+        await asyncio.sleep(0.05)
+    # the 3 s bound, less the wait before the pause (up to an idle poll and a tick); without the
+    # discount, the first tick awake
+    assert 1.0 <= time.monotonic() - woke < 3.5
+    assert await asyncio.wait_for(run.task, 10) == 1
+    assert run.worker.supervisor.failure.startswith("fetches unanswered for "), run.worker.supervisor.failure
+
+
 async def test_a_broker_outage_counts_from_the_start_at_the_earliest():
     """A worker is built before its start checks and first group join (which may take up to
     SLUICE_GROUP_JOIN_S): an outage that begins at the first ask after the start counts from the
@@ -483,6 +523,35 @@ async def test_a_short_commit_outage_is_ridden_out(monkeypatch):
     assert await asyncio.wait_for(run.task, 10) == 0
 
 
+async def test_a_health_check_the_worker_stopped_during_is_asked_again(monkeypatch):
+    """The worker stopped while it waited for the engine's answer (as a SIGSTOP of the worker and its
+    engine core would): the check's bound ran out before the engine could answer. That is asked
+    again, not taken for a dead engine; a failure with no pause is."""
+    monkeypatch.setattr(supervisor, "SUSPENDED_S", 0.5)
+
+    class StoppedOnce(FakeEngine):
+        asked = 0
+        dead = False
+
+        async def check_health(self, timeout_s):
+            self.asked += 1
+            if self.asked == 2:
+                time.sleep(1.5)  # the whole worker held, and the check's bound ran out meanwhile
+                raise TimeoutError()
+            if self.dead:
+                raise RuntimeError("EngineCore died")
+
+    mem = Memory(engine=StoppedOnce(), engine_health_interval_s=0.5)
+    run = Run(monkeypatch, mem)
+    await run.ready()
+    end = time.monotonic() + 15
+    while mem.engine.asked < 4 and not run.task.done() and time.monotonic() < end:
+        await asyncio.sleep(0.1)
+    assert not run.task.done() and mem.engine.asked >= 4, run.worker.supervisor.failure
+    mem.engine.dead = True
+    await run.fails_closed(time.monotonic(), "engine unhealthy", drained=False)
+
+
 async def test_engine_health_check_failure(monkeypatch):
     class Dying(FakeEngine):
         healthy = True
@@ -563,7 +632,7 @@ async def test_a_clean_stop_is_not_a_failure(monkeypatch, stage):
 _HUNG_STOP = """
 import asyncio, sys
 from tests.unit.harness import CATALOG, Memory
-from worker import service
+from worker import service, supervisor
 
 mem = Memory(drain_grace_s=0.5, stop_margin_s=1.0, metrics_port=0)
 
