@@ -632,7 +632,7 @@ async def test_a_clean_stop_is_not_a_failure(monkeypatch, stage):
 _HUNG_STOP = """
 import asyncio, sys
 from tests.unit.harness import CATALOG, Memory
-from worker import service, supervisor
+from worker import service
 
 mem = Memory(drain_grace_s=0.5, stop_margin_s=1.0, metrics_port=0)
 
