@@ -19,7 +19,7 @@ demo: install
 test: install
 	$(BIN)/sluice dev up
 	$(BIN)/sluice model prepare
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=30 tests
 
 test-unit: install
 	$(BIN)/python -m pytest -q tests/unit

@@ -38,6 +38,10 @@ class Commits:
         """Seconds offsets have waited for a successful commit (0 when none wait)."""
         return 0.0 if self.waiting_since is None else time.monotonic() - self.waiting_since
 
+    def discount(self, shift) -> None:
+        """The wait's start through `shift` (`worker/supervisor.py: unseen`): time the worker did not run."""
+        self.waiting_since = shift(self.waiting_since)
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:

@@ -77,6 +77,10 @@ class Emitter:
         """Seconds since produces started failing (0 while they succeed)."""
         return 0.0 if self.failing_since is None else time.monotonic() - self.failing_since
 
+    def discount(self, shift) -> None:
+        """The outage's start through `shift` (`worker/supervisor.py: unseen`): time the worker did not run."""
+        self.failing_since = shift(self.failing_since)
+
     async def unusable_reply_topics(self, topics: set[str]) -> dict[str, str]:
         """Of requesters' `reply_to` topics, those that cannot take replies, with why (missing, say).
 

@@ -235,11 +235,9 @@ async def monitor(supervisor: Supervisor, liveness: Liveness, engine, busy, emit
             if late > SUSPENDED_S:
                 resumed_at = now
                 shift = unseen(late, now)
-                liveness.discount(shift)
-                emitter.failing_since = shift(emitter.failing_since)
-                commits.waiting_since = shift(commits.waiting_since)
-                if fetches is not None:
-                    fetches.discount(shift)
+                for watch in (liveness, emitter, commits, fetches):
+                    if watch is not None:
+                        watch.discount(shift)
                 log.warning("worker_resumed", unseen_s=round(late, 1),
                             note="the worker did not run (process stopped, VM paused, event loop held): "
                                  "its health bounds leave this time out")

@@ -3,7 +3,10 @@
 import pytest
 from aiokafka.structs import TopicPartition
 
+from worker.commits import Commits
+from worker.emitter import Emitter
 from worker.fetch_watch import FetchWatch
+from worker.offsets import OffsetTracker
 from worker.supervisor import Liveness, unseen
 
 NOW, LATE = 1000.0, 150.0  # the monitor woke at 1000 s, 150 s late: the worker stopped at about 850 s
@@ -46,3 +49,16 @@ def test_a_fetch_wait_counts_only_the_time_the_worker_ran():
     marks[second] = 8  # answered since the worker woke
     watch.sample(NOW + 1)
     assert watch.waiting(NOW + 1, 10.5) == ["t[0]"]
+
+
+def test_the_reply_and_commit_outages_count_only_the_time_the_worker_ran():
+    emitter = Emitter(producer=None, dlq_topic="sluice.dlq")
+    commits = Commits(consumer=None, tracker=OffsetTracker(), interval_s=1.0)
+    emitter.failing_since, commits.waiting_since = 840.0, 999.9  # one began before the pause, one since
+    emitter.discount(unseen(LATE, NOW))
+    commits.discount(unseen(LATE, NOW))
+    assert (emitter.failing_since, commits.waiting_since) == (990.0, 999.9)
+    emitter.failing_since = commits.waiting_since = None  # no outage under way: none begun by the discount
+    emitter.discount(unseen(LATE, NOW))
+    commits.discount(unseen(LATE, NOW))
+    assert (emitter.failing_since, commits.waiting_since) == (None, None)
