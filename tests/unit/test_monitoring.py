@@ -131,6 +131,14 @@ def test_the_readme_metrics_table_names_every_metric():
         assert f"| `{shown}` |" in readme, shown
 
 
+
+def test_the_readme_alerts_table_names_every_alert():
+    readme = (MONITORING.parents[1] / "README.md").read_text()
+    table = readme.split("| alert | fires when |")[1].split("\n\n")[0]
+    listed = {name for row in table.splitlines() if row.startswith("|") for name in re.findall(r"`(Sluice\w+)`", row.split("|")[1])}
+    assert listed == {r["alert"] for r in rules() if "alert" in r}
+
+
 RUNBOOK = MONITORING / "RUNBOOK.md"
 _WORKER_SOURCES = "\n".join(p.read_text() for d in ("worker", "schemas", "topics")
                             for p in (Path(__file__).resolve().parents[2] / d).glob("*.py"))
