@@ -110,14 +110,15 @@ async def read_until_done(reader, ids, tokens, finals, deadline, on_batch=None):
 
 
 async def kill_mid_stream(settings, catalog, tmp_path, model_dir, prompts: dict[str, str], max_tokens: int,
-                          after=None, extra_env=None) -> KillRun:
-    """`prompts` by request id; `after(send, collect)` runs with the survivor still serving."""
+                          after=None, extra_env=None, one_compiles=False) -> KillRun:
+    """`prompts` by request id; `after(send, collect)` runs with the survivor still serving.
+    `one_compiles`: the survivor starts once the victim is ready, for a model no start has compiled yet."""
     env = {**os.environ, "SLUICE_TOPICS_FILE": str(prefixed_topics_file(catalog, tmp_path / "topics.toml")),
            "SLUICE_GROUP_ID": f"chaos-{uuid.uuid4().hex[:6]}", "SLUICE_MODEL": str(model_dir),
            "SLUICE_KAFKA_IDEMPOTENCE": "false", "SLUICE_REDIS_KEY_PREFIX": settings.redis.key_prefix,
            "SLUICE_LOG_LEVEL": "info", "SLUICE_CPU_KVCACHE_GIB": "1", **(extra_env or {})}
     victim, vport = start(env, tmp_path, "victim")
-    survivor, sport = start(env, tmp_path, "survivor")
+    survivor = sport = None
     reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
     ids = list(prompts)
     run = KillRun({rid: {} for rid in ids}, {rid: [] for rid in ids})
@@ -136,6 +137,9 @@ async def kill_mid_stream(settings, catalog, tmp_path, model_dir, prompts: dict[
         return {rid: run.finals[rid] for rid in more_ids}
 
     try:
+        if one_compiles:  # the survivor loads what the victim compiled instead of compiling it beside it
+            await wait_ready(victim, vport, tmp_path / "victim.log")
+        survivor, sport = start(env, tmp_path, "survivor")
         await wait_ready(victim, vport, tmp_path / "victim.log")
         await wait_ready(survivor, sport, tmp_path / "survivor.log")
         victim_owns, _ = await wait_for_split([tmp_path / "victim.log", tmp_path / "survivor.log"], topic,
@@ -169,7 +173,7 @@ async def kill_mid_stream(settings, catalog, tmp_path, model_dir, prompts: dict[
     finally:
         await reader.stop()
         for p in (victim, survivor):
-            if p.poll() is None:
+            if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
     run.survivor_log = (tmp_path / "survivor.log").read_text()

@@ -73,3 +73,36 @@ async def test_pages_load_on_a_prefix_match_and_never_across_tenants_or_when_cor
     misses = sum(d.kv["counts"].get("load_miss_checksum", 0) for d in (done, tail))
     assert misses == 1, (done.kv, tail.kv)
     redis.close()
+
+
+async def test_pages_a_full_cluster_refuses_are_counted_failed_and_saved_once_it_has_room(settings, engine):
+    """maxmemory reached under noeviction: the connector's page writes are refused. Each is counted
+    `save_failed` (`sluice_kv_save_failures_total{reason="failed"}`, which the SluiceKvPagesNotSaved
+    alert reads: the worker's own Redis health does not cover the connector's client), nothing is
+    stored, the request is answered as usual; once Redis has room, pages are saved again."""
+    redis = RedisCluster.from_url(settings.redis.url)
+    ids = engine.prompt_ids(Request(id="full", prompt=PROMPT))
+    refused_keys = page_keys(settings, engine, "refused", ids)
+    first, _ = await run(engine, "kv-room", ids, "room")  # the output with pages saved (another tenant)
+    try:
+        redis.config_set("maxmemory", "1", target_nodes=RedisCluster.PRIMARIES)
+        await engine.reset_prefix_cache()
+        text, done = await run(engine, "kv-refused", ids, "refused")
+        assert text == first
+        counts = [done.kv["counts"]]
+        for i in range(20):  # the writer thread counts after the request ends; later requests carry it
+            if sum(c.get("save_failed", 0) for c in counts) >= len(refused_keys):
+                break
+            await asyncio.sleep(0.5)
+            counts.append((await run(engine, f"kv-refused-tail{i}", ids[:8], "refused", max_tokens=1))[1].kv["counts"])
+        assert sum(c.get("save_failed", 0) for c in counts) >= len(refused_keys), counts
+        assert sum(c.get("stored_pages", 0) for c in counts) == 0, counts
+    finally:
+        redis.config_set("maxmemory", "0", target_nodes=RedisCluster.PRIMARIES)
+    assert not any(redis.exists(k) for k in refused_keys)
+    await asyncio.sleep(6)  # the connector leaves Redis alone a few seconds after a failure (retry_s)
+    await engine.reset_prefix_cache()
+    again, _ = await run(engine, "kv-refused-again", ids, "refused")
+    assert again == first
+    await wait_stored(redis, refused_keys, timeout=30)
+    redis.close()

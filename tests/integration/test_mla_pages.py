@@ -44,7 +44,7 @@ async def test_mla_pages_resume_a_killed_stream_unchanged(settings, catalog, tmp
     # float32: random weights give flat logits, and bf16 rounding (prefill and decode attend through
     # different MLA kernels) would flip near-ties between any two runs, killed or not
     run = await kill_mid_stream(settings, catalog, tmp_path, model_dir, prompts, MAX_TOKENS, after=uninterrupted,
-                                extra_env={"SLUICE_DTYPE": "float32"})
+                                extra_env={"SLUICE_DTYPE": "float32"}, one_compiles=True)
     assert "Using CPU_MLA backend" in run.survivor_log, "the engine did not run MLA attention"
     assert not run.orphaned_engine_procs
     assert_one_stream_each(run, prompts)
