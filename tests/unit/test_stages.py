@@ -451,11 +451,11 @@ async def test_a_deadline_that_passes_while_suspended_ends_the_stream_with_a_don
     admitted again, has streamed tokens: it ends as one that passes while generating does, with a
     `done` (finish "deadline") after every token record it sent, not an error saying it never ran."""
     mem = Memory(partitions=1, engine=FakeEngine(token_delay_s=0.005), max_num_seqs=4)
-    deadline = int(time.time() * 1000) + 1500
-    for i in range(4):
-        mem.send("batch", J({"id": f"b{i}", "prompt": f"batch {i}", "max_tokens": 1000, "deadline_ms": deadline}),
-                 f"b{i}".encode())
     async with running(mem) as w:
+        deadline = int(time.time() * 1000) + 1500  # from when the worker runs: its start may be slow
+        for i in range(4):
+            mem.send("batch", J({"id": f"b{i}", "prompt": f"batch {i}", "max_tokens": 1000, "deadline_ms": deadline}),
+                     f"b{i}".encode())
         assert await until(lambda: w.scheduler.running("batch") == 4 and len(mem.tokens()) >= 8)
         for i in range(4):  # realtime holds every slot past the batch deadline
             mem.send("realtime", J({"id": f"r{i}", "prompt": "now", "max_tokens": 400}), f"r{i}".encode())
@@ -477,9 +477,11 @@ async def test_a_deadline_that_passes_between_owners_ends_the_continued_stream_w
     reads it: the next owner re-sends what the first one streamed and ends it with a `done`
     (finish "deadline", resumed), not an error saying it never ran."""
     mem = Memory(partitions=1, engine=FakeEngine(token_delay_s=0.02), revoke_grace_s=0.1)
-    deadline = int(time.time() * 1000) + 1000
-    mem.send("standard", J({"id": "long", "prompt": "x", "max_tokens": 1000, "deadline_ms": deadline}), b"long")
     async with running(mem) as w:
+        # sent once the worker runs: a start slower than the deadline (seen on a loaded 2-core machine)
+        # would end the request before its first token, not between owners
+        deadline = int(time.time() * 1000) + 2000
+        mem.send("standard", J({"id": "long", "prompt": "x", "max_tokens": 1000, "deadline_ms": deadline}), b"long")
         assert await until(lambda: len([t for t in mem.tokens() if t.id == "long"]) >= 5)
         mine = w.consumer.assignment()
         await mem.consumer.assign(set())  # a rebalance takes the partition away mid-stream
