@@ -67,15 +67,18 @@ async def _done_unless_stopped(task: asyncio.Future, stop: asyncio.Event) -> boo
     return task.done()
 
 
-async def _loaded_unless_stopped(load, stop: asyncio.Event):
+async def _loaded_unless_stopped(load, stop: asyncio.Event, before_abandoning=None):
     """`load()` in a thread (vLLM's load and compile take a minute or more), unless SIGTERM comes first.
 
     A loading engine cannot be cancelled from here: its thread waits on the engine core process. So a
     stop ends the processes under this one and exits 0 at once (`abandon_loading`), rather than loading
     for a minute only to shut down: a terminal's Ctrl-C, or Kubernetes' SIGTERM to a pod still starting,
-    would otherwise wait that long, and a grace period shorter than the load ends in SIGKILL."""
+    would otherwise wait that long, and a grace period shorter than the load ends in SIGKILL.
+    `before_abandoning()` is awaited first (the worker leaves a group it joined meanwhile)."""
     loading = asyncio.ensure_future(asyncio.to_thread(load))
     if not await _done_unless_stopped(loading, stop):
+        if before_abandoning is not None:
+            await before_abandoning()
         abandon_loading()
     return loading.result()
 
@@ -137,7 +140,7 @@ async def run_worker(settings: Settings, catalog: Catalog, engine=None, on_stopp
     worker: Worker | None = None
 
     def status():
-        if worker is None:
+        if worker is None or worker.engine is None:
             return False, {"engine": "loading"}
         return worker.health()
 
@@ -174,18 +177,25 @@ async def run_worker(settings: Settings, catalog: Catalog, engine=None, on_stopp
             from worker.engine import VllmEngine
 
             log.info("engine_loading", model=settings.engine.model, device=settings.engine.device)
+            worker = Worker(settings, catalog, None, **clients)
+            if settings.group.join_early and not clients:
+                worker.join_when_alone()  # the group's join passes during the load (worker/early_join.py)
             try:
-                engine = await _loaded_unless_stopped(lambda: VllmEngine(settings), stop)
+                engine = await _loaded_unless_stopped(lambda: VllmEngine(settings), stop, worker.abandon)
             except DeviceUnavailable:
+                await worker.abandon()
                 raise
             except Exception as exc:  # noqa: BLE001 - a model that does not load, an engine core that died loading
                 log.exception("engine_load_failed", model=settings.engine.model, error=repr(exc))
                 print(f"sluice: the engine could not load {settings.engine.model}: {exc!r}", file=sys.stderr)
+                await worker.abandon()
                 return 1
             log.info("engine_ready", **engine.resolved)
             if settings.engine.ignore_eos:
                 log.warning("ignore_eos", note="benchmark setting: every request runs to max_tokens (SLUICE_IGNORE_EOS)")
-        worker = Worker(settings, catalog, engine, **clients)
+            worker.attach(engine)
+        else:
+            worker = Worker(settings, catalog, engine, **clients)
         try:
             if not await _started_unless_stopped(worker, stop, on_stopping):
                 log.info("stopped_while_starting")

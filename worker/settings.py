@@ -92,6 +92,10 @@ class GroupSettings(_Section):
     # A worker process that dies (SIGKILL, the OOM killer, a crash) is taken out of the group at once by
     # its guard process (worker/group_guard.py) instead of holding its partitions for the session timeout.
     leave_on_death: bool = True
+    # A worker whose group has no live member joins it while its engine loads, so that the coordinator's
+    # hold on a new group's join passes meanwhile; one whose group has members joins once loaded
+    # (worker/early_join.py).
+    join_early: bool = True
 
     def heartbeat_ms(self) -> int:
         return self.heartbeat_interval_ms or max(100, self.session_timeout_ms // 3)

@@ -26,7 +26,7 @@ from aiokafka import ConsumerRebalanceListener
 from schemas import RequestCodec
 from schemas.templates import Templates
 from topics import Catalog, Topic
-from worker import metrics, sealing
+from worker import early_join, metrics, sealing
 from worker.answers import AnswerStore
 from worker.commits import Commits
 from worker.consumer_stop import stop_consumer
@@ -137,7 +137,7 @@ class _Rebalance(ConsumerRebalanceListener):
 
 
 class Worker:
-    def __init__(self, settings: Settings, catalog: Catalog, engine: Engine, *, consumer=None, producer=None,
+    def __init__(self, settings: Settings, catalog: Catalog, engine: Engine | None, *, consumer=None, producer=None,
                  answers=None):
         closed = closed_topics(catalog)  # every class's request topics, not only those this pool serves
         catalog = catalog.serving(settings.worker.classes.split(","))
@@ -166,14 +166,7 @@ class Worker:
                                    settings.worker.contention_hold_ms, settings.worker.admission,
                                    settings.worker.step_stretch)
         self.dispatch = Dispatcher(self.scheduler, self.tracker, self.supervisor, self.liveness)
-        self.runner = Runner(engine, self.emitter, self.answers, settings.limits, self.is_running,
-                             settings.stream.chunk_tokens, settings.stream.chunk_ms, self.dispatch.release_slot,
-                             Templates(settings.worker.templates_dir), replies=self.replies,
-                             on_progress=self.dispatch.engine_output, save_min_tokens=settings.kv.save_min_tokens)
-        self.dispatch.runner, self.dispatch.replies = self.runner, self.replies
-        if self.scheduler.step_budget is not None and hasattr(engine, "watch_steps"):
-            engine.watch_steps(self.dispatch.engine_step)  # vLLM reports each step: exact tokens and times
-            self.dispatch.steps_reported = True
+        self.dispatch.replies = self.replies
         self.intake = Intake(self.consumer, RequestCodec(settings.limits), self.tracker, self.dispatch, self.replies,
                              self.answers, self.liveness, catalog.replies.name, settings.kafka.fetch_max_wait_ms,
                              stopping=lambda: self.supervisor.stopping, redis_wait_s=settings.redis.lookup_wait_s,
@@ -188,6 +181,62 @@ class Worker:
                 metrics.class_slo.labels(t.latency_class).set(t.slo_ms / 1000)
         self.group_guard = GroupGuard()  # started with a real consumer (worker/group_guard.py)
         self._started = False
+        self._joining: asyncio.Future | None = None  # the consumer's start: the group join (`begin_join`)
+        self._alone_watch: asyncio.Task | None = None  # `join_when_alone`
+        self.engine = self.runner = None
+        if engine is not None:
+            self.attach(engine)
+
+    def attach(self, engine: Engine) -> None:
+        """The loaded engine, before `start`. A worker is built before its engine has loaded when it may
+        join its group meanwhile (`join_when_alone`)."""
+        s = self.settings
+        self.engine = engine
+        self.runner = Runner(engine, self.emitter, self.answers, s.limits, self.is_running,
+                             s.stream.chunk_tokens, s.stream.chunk_ms, self.dispatch.release_slot,
+                             Templates(s.worker.templates_dir), replies=self.replies,
+                             on_progress=self.dispatch.engine_output, save_min_tokens=s.kv.save_min_tokens)
+        self.dispatch.runner = self.runner
+        self.replies.model = getattr(engine, "fingerprint", "")
+        if self.scheduler.step_budget is not None and hasattr(engine, "watch_steps"):
+            engine.watch_steps(self.dispatch.engine_step)  # vLLM reports each step: exact tokens and times
+            self.dispatch.steps_reported = True
+
+    def join_when_alone(self) -> None:
+        """While the engine loads: join the group as soon as it has no live member (worker/early_join.py)."""
+        s = self.settings
+        self._alone_watch = asyncio.ensure_future(early_join.when_alone(
+            s.kafka.options(), s.group.id, self.begin_join, timeout_s=s.kafka.request_timeout_ms / 1000))
+
+    async def _stop_alone_watch(self) -> None:
+        if self._alone_watch is not None:
+            self._alone_watch.cancel()
+            await asyncio.gather(self._alone_watch, return_exceptions=True)
+            self._alone_watch = None
+
+    def begin_join(self) -> None:
+        """Subscribe, start the group guard, and start the consumer's join; `start` awaits it."""
+        if self._joining is not None:
+            return
+        s = self.settings
+        self.consumer.subscribe(list(self._topics), listener=_Rebalance(self))
+        if s.group.leave_on_death and hasattr(self.consumer, "_coordinator"):  # aiokafka's, not a test double
+            self.group_guard.start(s.kafka, s.group.id, timeout_s=s.kafka.request_timeout_ms / 1000)
+        self.liveness.group_left()
+        # returns once the group has assigned this worker its partitions
+        self._joining = asyncio.ensure_future(self.consumer.start())
+
+    async def abandon(self) -> None:
+        """The engine did not load (or the worker was stopped while it loaded): leave the group if it was
+        joined meanwhile, and close every client, within START_CLEANUP_S each."""
+        await self._stop_alone_watch()
+        if self._joining is not None:
+            self._joining.cancel()
+            await asyncio.gather(self._joining, return_exceptions=True)
+        for stop in (self._stop_consumer, self._close_group_guard, self.emitter.stop, self.answers.stop):
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(START_CLEANUP_S):
+                    await stop()
 
     @property
     def paused(self) -> dict[str, bool]:
@@ -209,6 +258,7 @@ class Worker:
     async def start(self) -> None:
         s = self.settings
         # before any client starts: nothing here may leave one running
+        await self._stop_alone_watch()  # loaded: from here the worker joins now, whoever is in the group
         for name, reason in self.runner.unusable_templates().items():
             log.warning("template_unusable", template=name, reason=reason)  # its requests: invalid_request
         started = []  # each client's stop, listed before its start: a stop also closes a half-done start
@@ -217,15 +267,12 @@ class Worker:
             await self.answers.start()
             started.append(self.emitter.stop)
             await self.emitter.start()
-            self.consumer.subscribe(list(self._topics), listener=_Rebalance(self))
-            if s.group.leave_on_death and hasattr(self.consumer, "_coordinator"):  # aiokafka's, not a test double
-                started.append(self._close_group_guard)
-                self.group_guard.start(s.kafka, s.group.id, timeout_s=s.kafka.request_timeout_ms / 1000)
-            self.liveness.group_left()
+            started.append(self._close_group_guard)  # a guard never started closes as a no-op
+            self.begin_join()  # begun while the engine loaded, where the group had no member (`join_when_alone`)
             join = asyncio.timeout(s.health.group_join_s)
             try:
                 async with join:
-                    await self.consumer.start()  # returns once the group has assigned this worker its partitions
+                    await self._joining
             except TimeoutError:
                 if not join.expired():
                     raise

@@ -6,9 +6,12 @@ first join of a new group for half the rebalance timeout of the member that open
 with a 10-minute rebalance timeout holds every join into that group for 5 minutes: the shape of a
 coordinator that never completes a join. Before `SLUICE_GROUP_JOIN_S`, a worker joining such a group
 stayed not ready, never exiting (so never restarted), and ignored SIGTERM until the join completed.
-The engine is the fake one: what is under test is the Kafka client's join."""
+The engine is the fake one there: what is under test is the Kafka client's join. The last test
+loads a real engine: a join begun while it loads (worker/early_join.py)."""
 
 import asyncio
+import contextlib
+import re
 import signal
 import time
 import uuid
@@ -111,4 +114,81 @@ async def test_a_rebalance_that_completes_stops_the_rejoin_clock(settings, catal
     finally:
         await joiner.stop()
         proc.kill()
+        proc.wait()
+
+
+def _first_line(log_path, event: str) -> int | None:
+    """The index of the worker log's first line for `event` (None when there is none)."""
+    lines = log_path.read_text(errors="replace").splitlines()
+    return next((i for i, line in enumerate(lines) if re.search(f'"event": ?"{event}"', line)), None)
+
+
+async def _members(settings, group: str) -> int:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from worker.early_join import live_members
+
+    admin = AIOKafkaAdminClient(**settings.kafka.options())
+    await admin.start()
+    try:
+        (response,) = await admin.describe_consumer_groups([group])
+        return live_members(response)
+    finally:
+        await admin.close()
+
+
+async def test_a_worker_joins_while_its_engine_loads_only_once_no_other_member_serves(settings, catalog,
+                                                                                       model_dir, tmp_path):
+    """A real engine's load (tens of seconds) and the coordinator's hold on a new group's join (about
+    5 s here) no longer add up where the group has no one else (worker/early_join.py). While another
+    member serves the partitions, the loading worker leaves them to it; once that member has left,
+    it joins without waiting for its engine, becomes ready with it, and answers."""
+    from loadgen.burst import ReplyReader, produce
+    from schemas import DoneReply
+    from worker.group_guard import leave_group
+
+    group = f"early-{uuid.uuid4().hex[:6]}"
+    holder = AIOKafkaConsumer(catalog.request_topic("standard").name, **settings.kafka.options(), group_id=group)
+    await holder.start()
+    proc, port, _ = spawn_worker(catalog, model_dir, tmp_path, group=group, SLUICE_LOG_LEVEL="info")
+    log = tmp_path / "worker.log"
+    try:
+        end = time.monotonic() + 120
+        while _first_line(log, "group_join_after_loading") is None:
+            assert proc.poll() is None and time.monotonic() < end, log.read_text()[-2000:]
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(2.5)  # two more looks at the group
+        assert _first_line(log, "engine_ready") is None, "the engine loaded before the test could tell"
+        assert _first_line(log, "group_joining_while_loading") is None, log.read_text()[-2000:]
+        assert await _members(settings, group) == 1  # the holder alone: the loading worker stayed out
+
+        # the embedded broker numbers a new group's first generation 0, from which aiokafka sends no
+        # LeaveGroup on stop: the holder leaves explicitly, as a worker's own stop does
+        assert await leave_group(settings.kafka.options(), group, holder._coordinator.member_id, 10) == 0
+        await holder.stop()
+
+        end = time.monotonic() + 400
+        while http_get(port, "/readyz")[0] != 200:
+            assert proc.poll() is None and time.monotonic() < end, log.read_text()[-2000:]
+            await asyncio.sleep(0.2)
+        joined, ready = _first_line(log, "group_joining_while_loading"), _first_line(log, "engine_ready")
+        assert joined is not None and ready is not None and joined < ready, log.read_text()[-3000:]
+
+        reader = ReplyReader(settings.kafka.options(), catalog.replies.name)
+        await reader.start()
+        await produce(settings.kafka.options(), [(catalog.request_topic("standard").name, b"early",
+                                                  b'{"id": "early", "prompt": "Hello", "max_tokens": 4}', [])])
+        done = None
+        end = time.monotonic() + 120
+        while done is None and time.monotonic() < end:
+            async for r in reader.records():
+                if isinstance(r, DoneReply) and r.id == "early":
+                    done = r
+        await reader.stop()
+        assert done is not None and done.usage.completion_tokens > 0, log.read_text()[-2000:]
+    finally:
+        with contextlib.suppress(Exception):
+            await holder.stop()
+        if proc.poll() is None:
+            proc.kill()
         proc.wait()
