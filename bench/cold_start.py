@@ -2,6 +2,7 @@
 
     python bench/cold_start.py [--modes auto,graph-cache,eager] [--engine-starts inprocess,forkserver,spawn] [--worker]
     python bench/cold_start.py --modes graph-cache --engine-starts forkserver,spawn --alternate 3
+    python bench/cold_start.py --modes graph-cache --join-early 3
 
 For each `SLUICE_COMPILE_MODE`, two engine starts in fresh processes with one compile cache
 (`VLLM_CACHE_ROOT`, empty before the first): the first start compiles, the restart may load
@@ -13,7 +14,8 @@ compiled again because its cache failed to load (and why). Then one short greedy
 itself or spawning its model runner, or spawned as vLLM does) every compile mode is measured with each, each pair with its own empty cache. `--worker` also times what an operator
 waits for: a whole `sluice worker` process (settings, preflight, engine, warm-up, consumer group)
 from its start to `/readyz` answering 200, first start and restart, with the same cache.
-Writes bench/cold_start.json.
+Writes bench/cold_start.json. `--join-early K` times worker restarts that join their (new, empty)
+group while the engine loads against ones that join once it has loaded, alternating.
 """
 
 from __future__ import annotations
@@ -84,11 +86,14 @@ def start(mode: str, cache: Path, n: int = 0, tokens: int = 0, engine_start: str
     return result
 
 
-def worker_start(mode: str, cache: Path, session_timeout_ms: int | None = None, engine_start: str = "inprocess") -> float:
-    """Seconds from a `sluice worker` process's start to its /readyz answering 200.
+def worker_start(mode: str, cache: Path, session_timeout_ms: int | None = None, engine_start: str = "inprocess",
+                 **env) -> float:
+    """Seconds from a `sluice worker` process's start to its /readyz answering 200 (each in a new group).
 
     The worker is ready once it holds its partitions; the embedded broker holds a new group's first
-    join for about half the session timeout (`bench/group_join.py`), so that setting is part of it.
+    join for about half the session timeout (`bench/group_join.py`), so that setting is part of it
+    where the worker joins after its engine has loaded (`SLUICE_GROUP_JOIN_EARLY=false`, or a group
+    with other members). `env`: more settings for the worker.
     """
     import asyncio
 
@@ -97,12 +102,51 @@ def worker_start(mode: str, cache: Path, session_timeout_ms: int | None = None, 
     async def run() -> float:
         s = common.settings()
         t0 = time.monotonic()
-        async with common.worker_process(s, "cold", OUT / f".cold-{mode}-{engine_start}.log", SLUICE_COMPILE_MODE=mode,
+        async with common.worker_process(s, "cold", worker_log(mode, engine_start), SLUICE_COMPILE_MODE=mode,
                                          SLUICE_ENGINE_START=engine_start,
-                                         VLLM_CACHE_ROOT=str(cache), **group):
+                                         VLLM_CACHE_ROOT=str(cache), **group, **env):
             return time.monotonic() - t0
 
     return asyncio.run(run())
+
+
+def worker_log(mode: str, engine_start: str) -> Path:
+    return OUT / f".cold-{mode}-{engine_start}.log"
+
+
+def join_early(args) -> None:
+    """`--join-early K`: `sluice worker` restarts to /readyz with SLUICE_GROUP_JOIN_EARLY on and off in
+    turn (alternating order), K rounds, one warm compile cache; each worker's log must show the join
+    its arm asked for. Writes bench/cold_start_join_early.json."""
+    mode, how = args.modes.split(",")[0], args.engine_starts.split(",")[0]
+    samples: dict[str, list[float]] = {"on": [], "off": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = Path(tmp) / mode
+        start(mode, cache, engine_start=how)  # fills the cache: every start below is a restart
+        rounds = [("on", "off") if k % 2 == 0 else ("off", "on") for k in range(args.join_early)]
+        for order in tqdm(rounds, desc="rounds", unit="round"):
+            for arm in order:
+                ready = worker_start(mode, cache, args.session_timeout_ms, how, SLUICE_LOG_LEVEL="info",
+                                     SLUICE_GROUP_JOIN_EARLY="true" if arm == "on" else "false")
+                text = worker_log(mode, how).read_text(errors="replace")
+                early = re.search(r'"event": ?"group_joining_while_loading"', text) is not None
+                if early != (arm == "on"):
+                    raise SystemExit(f"the worker of arm {arm} {'joined' if early else 'did not join'} while its "
+                                     f"engine loaded: no comparison ({worker_log(mode, how)})")
+                samples[arm].append(ready)
+    print(f"\n{common.machine()}; {common.today()}; rev {common.git_rev()}; {mode}, {how}, {args.join_early} rounds "
+          f"in alternating order, each worker in a new group; session timeout "
+          + (f"{args.session_timeout_ms} ms" if args.session_timeout_ms else "the default"))
+    spread = {arm: harness.spread(ts) for arm, ts in samples.items()}
+    for arm, sp in spread.items():
+        print(f"join early {arm:3s}: sluice worker start to /readyz {sp['median']:5.1f} s [{sp['min']:.1f}-{sp['max']:.1f}]"
+              f" ({', '.join(f'{t:.1f}' for t in samples[arm])})")
+    print(f"on / off: {spread['on']['median'] / spread['off']['median']:.2f}, "
+          f"{spread['off']['median'] - spread['on']['median']:.1f} s sooner")
+    (OUT / "cold_start_join_early.json").write_text(json.dumps(
+        {"args": vars(args), "samples": samples, "machine": common.machine(), "date": common.today(),
+         "rev": common.git_rev()}, indent=2))
+    print(f"wrote {OUT / 'cold_start_join_early.json'}")
 
 
 def alternate(args) -> None:
@@ -142,6 +186,8 @@ def alternate(args) -> None:
 def main(args) -> None:
     if args.alternate:
         return alternate(args)
+    if args.join_early:
+        return join_early(args)
     starts = args.engine_starts.split(",")
     pairs = [(mode, how) for mode in args.modes.split(",") for how in starts]
     rows = {}
@@ -209,6 +255,9 @@ if __name__ == "__main__":
                    help="instead: K rounds of restarts of the first mode, each engine start in turn (alternating "
                         "order), restart time and decoding per start method; writes bench/cold_start_alternate.json")
     p.add_argument("--worker", action="store_true", help="also time `sluice worker` start to /readyz, twice")
+    p.add_argument("--join-early", type=int, default=0, metavar="K",
+                   help="instead: K rounds of `sluice worker` restarts of the first mode, SLUICE_GROUP_JOIN_EARLY on "
+                        "and off in turn; writes bench/cold_start_join_early.json")
     p.add_argument("--session-timeout-ms", type=int, default=None,
                    help="the workers' SLUICE_GROUP_SESSION_TIMEOUT_MS (default: the settings' default)")
     main(p.parse_args())
