@@ -114,12 +114,35 @@ def worker_log(mode: str, engine_start: str) -> Path:
     return OUT / f".cold-{mode}-{engine_start}.log"
 
 
+TIMELINE = ("group_joining_while_loading", "partitions_assigned", "engine_ready", "worker_started")
+
+
+def timeline(log: str) -> dict[str, float]:
+    """Seconds from a worker's `engine_loading` line to the first line of each TIMELINE event (info logs)."""
+    from datetime import datetime
+
+    stamps: dict[str, float] = {}
+    for line in log.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            record = json.loads(line)
+            at = datetime.fromisoformat(record["timestamp"].replace("Z", "+00:00")).timestamp()
+        except (ValueError, KeyError, TypeError):
+            continue
+        stamps.setdefault(record.get("event"), at)
+    if "engine_loading" not in stamps:
+        return {}
+    return {e: round(stamps[e] - stamps["engine_loading"], 2) for e in TIMELINE if e in stamps}
+
+
 def join_early(args) -> None:
     """`--join-early K`: `sluice worker` restarts to /readyz with SLUICE_GROUP_JOIN_EARLY on and off in
     turn (alternating order), K rounds, one warm compile cache; each worker's log must show the join
     its arm asked for. Writes bench/cold_start_join_early.json."""
     mode, how = args.modes.split(",")[0], args.engine_starts.split(",")[0]
     samples: dict[str, list[float]] = {"on": [], "off": []}
+    marks_by_arm: dict[str, list[dict]] = {"on": [], "off": []}
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / mode
         start(mode, cache, engine_start=how)  # fills the cache: every start below is a restart
@@ -129,11 +152,12 @@ def join_early(args) -> None:
                 ready = worker_start(mode, cache, args.session_timeout_ms, how, SLUICE_LOG_LEVEL="info",
                                      SLUICE_GROUP_JOIN_EARLY="true" if arm == "on" else "false")
                 text = worker_log(mode, how).read_text(errors="replace")
-                early = re.search(r'"event": ?"group_joining_while_loading"', text) is not None
-                if early != (arm == "on"):
-                    raise SystemExit(f"the worker of arm {arm} {'joined' if early else 'did not join'} while its "
-                                     f"engine loaded: no comparison ({worker_log(mode, how)})")
+                marks = timeline(text)
+                if ("group_joining_while_loading" in marks) != (arm == "on"):
+                    raise SystemExit(f"the worker of arm {arm} {'joined' if arm == 'off' else 'did not join'} while "
+                                     f"its engine loaded: no comparison ({worker_log(mode, how)})")
                 samples[arm].append(ready)
+                marks_by_arm[arm].append(marks)
     print(f"\n{common.machine()}; {common.today()}; rev {common.git_rev()}; {mode}, {how}, {args.join_early} rounds "
           f"in alternating order, each worker in a new group; session timeout "
           + (f"{args.session_timeout_ms} ms" if args.session_timeout_ms else "the default"))
@@ -143,8 +167,12 @@ def join_early(args) -> None:
               f" ({', '.join(f'{t:.1f}' for t in samples[arm])})")
     print(f"on / off: {spread['on']['median'] / spread['off']['median']:.2f}, "
           f"{spread['off']['median'] - spread['on']['median']:.1f} s sooner")
+    print("seconds from engine_loading, median by arm: " + "; ".join(
+        f"{arm}: " + ", ".join(f"{event} {harness.spread([m[event] for m in ms])['median']:.1f}"
+                               for event in TIMELINE if all(event in m for m in ms))
+        for arm, ms in marks_by_arm.items()))
     (OUT / "cold_start_join_early.json").write_text(json.dumps(
-        {"args": vars(args), "samples": samples, "machine": common.machine(), "date": common.today(),
+        {"args": vars(args), "samples": samples, "timelines": marks_by_arm, "machine": common.machine(), "date": common.today(),
          "rev": common.git_rev()}, indent=2))
     print(f"wrote {OUT / 'cold_start_join_early.json'}")
 

@@ -134,6 +134,7 @@ class _Rebalance(ConsumerRebalanceListener):
         self.worker.group_guard.joined(getattr(coordinator, "member_id", ""))
         log.info("partitions_assigned", partitions=sorted(map(partition_name, assigned)),
                  generation=getattr(coordinator, "generation", None))
+        self.worker.hold_while_loading(assigned)
 
 
 class Worker:
@@ -183,6 +184,7 @@ class Worker:
         self._started = False
         self._joining: asyncio.Future | None = None  # the consumer's start: the group join (`begin_join`)
         self._alone_watch: asyncio.Task | None = None  # `join_when_alone`
+        self._held_while_loading: set = set()  # `hold_while_loading`
         self.engine = self.runner = None
         if engine is not None:
             self.attach(engine)
@@ -225,6 +227,13 @@ class Worker:
         self.liveness.group_left()
         # returns once the group has assigned this worker its partitions
         self._joining = asyncio.ensure_future(self.consumer.start())
+
+    def hold_while_loading(self, assigned) -> None:
+        """Partitions assigned before the engine is attached are not fetched until `start`: the client
+        would fetch every few tens of milliseconds for the whole load, on the cores that load."""
+        if self.engine is None and assigned:
+            self.consumer.pause(*assigned)
+            self._held_while_loading.update(assigned)
 
     async def abandon(self) -> None:
         """The engine did not load (or the worker was stopped while it loaded): leave the group if it was
@@ -280,6 +289,9 @@ class Worker:
                     f"the consumer group {s.group.id} did not take this worker in within {s.health.group_join_s:g} s "
                     f"(SLUICE_GROUP_JOIN_S): the coordinator held the join (a member that does not rejoin, "
                     f"a broker that does not answer)") from None
+            held, self._held_while_loading = self._held_while_loading & self.consumer.assignment(), set()
+            if held:
+                self.consumer.resume(*held)
         except BaseException:
             # whichever client could not start: all are closed, not left to the process exit. The consumer
             # first, as in `stop` (it leaves the group before the guard stands down), and even when an

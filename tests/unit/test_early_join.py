@@ -38,11 +38,12 @@ async def test_a_worker_built_before_its_engine_serves_once_attached_with_the_jo
     assert w.engine is None and w.runner is None
     w.begin_join()  # as `join_when_alone` does while the engine loads
     assert await until(lambda: bool(mem.consumer.assignment()))  # joined before any engine exists
+    assert mem.consumer._paused == mem.consumer.assignment()  # and not fetched until it does
     mem.send("standard", J({"id": "early", "prompt": "x", "max_tokens": 3}), b"early")
     w.attach(mem.engine)
     await w.start()
     try:
-        assert w.ready
+        assert w.ready and not mem.consumer._paused  # resumed at the start
         assert await until(lambda: "early" in mem.finals())
         assert await until(mem.all_committed)
     finally:
