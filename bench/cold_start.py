@@ -174,10 +174,11 @@ def join_early(args) -> None:
                 setups.add(engine_setup(text))
     if len(setups) != 1:  # the arms differ only in when they join, or nothing here compares them
         raise SystemExit("the starts' engines were not set up alike: no comparison\n" + "\n".join(sorted(setups)))
+    setup = setups.pop()
     print(f"\n{common.machine()}; {common.today()}; rev {common.git_rev()}; {mode}, {how}, {args.join_early} rounds "
           f"in alternating order, each worker in a new group; session timeout "
           + (f"{args.session_timeout_ms} ms" if args.session_timeout_ms else "the default")
-          + f"; every start's engine set up alike ({setups.pop()})")
+          + f"; every start's engine set up alike ({setup})")
     spread = {arm: harness.spread(ts) for arm, ts in samples.items()}
     for arm, sp in spread.items():
         print(f"join early {arm:3s}: sluice worker start to /readyz {sp['median']:5.1f} s [{sp['min']:.1f}-{sp['max']:.1f}]"
@@ -189,7 +190,8 @@ def join_early(args) -> None:
                                for event in TIMELINE if all(event in m for m in ms))
         for arm, ms in marks_by_arm.items()))
     (OUT / "cold_start_join_early.json").write_text(json.dumps(
-        {"args": vars(args), "samples": samples, "timelines": marks_by_arm, "machine": common.machine(), "date": common.today(),
+        {"args": vars(args), "samples": samples, "timelines": marks_by_arm, "engine_setup": setup,
+         "machine": common.machine(), "date": common.today(),
          "rev": common.git_rev()}, indent=2))
     print(f"wrote {OUT / 'cold_start_join_early.json'}")
 
