@@ -8,8 +8,8 @@ Two modes, each a pair of `sluice worker` processes in one consumer group on its
 With `--budget-mib-s B` the pages mode saves pages within B MiB/s (`kv.save_budget_mib_s`, a bucket
 that keeps `--burst-s` seconds of unused budget, `kv.save_burst_s`): the
 survivor loads the leading pages that were saved and computes the rest.
-Each repetition sends one long streaming request to a pair, waits until its first tokens have
-arrived, SIGKILLs the worker that owns it (its whole process group: no drain, no commit), and
+Each repetition sends one long streaming request to a pair, waits until `--kill-after-tokens` of
+its token records have arrived (2 by default: just after the prefill), SIGKILLs the worker that owns it (its whole process group: no drain, no commit), and
 times, on the client's clock:
   detect     kill -> the survivor's `partitions_assigned` (the group noticed: session timeout,
              rebalance)
@@ -75,6 +75,7 @@ class Pair:
                        if args.session_timeout_ms else {}),
                     **({"SLUICE_GROUP_HEARTBEAT_INTERVAL_MS": str(args.heartbeat_ms)} if args.heartbeat_ms else {}),
                     "SLUICE_GROUP_LEAVE_ON_DEATH": str(args.leave_on_death == "on").lower()}
+        self.key_prefix = self.env["SLUICE_REDIS_KEY_PREFIX"]
         self.procs: dict[str, tuple[subprocess.Popen, int, Path]] = {}
         self.starts = 0
         self.ready_s: list[float] = []  # process start -> /readyz 200, per start
@@ -102,6 +103,17 @@ class Pair:
         self.topics_file.unlink(missing_ok=True)
 
 
+def stored_pages(redis, key_prefix: str) -> int:
+    """KV pages under one pair's key prefix, counted on every primary of the cluster."""
+    return sum(1 for _ in redis.scan_iter(match=f"{key_prefix}:kv:*", count=1000, target_nodes=redis.PRIMARIES))
+
+
+async def prefill_by_source(pair: Pair, name: str) -> dict[str, float]:
+    """A worker's prompt tokens so far by where their KV came from (counted when a request ends)."""
+    return {src: await common.scrape_metric(pair.procs[name][1], "sluice_prefill_tokens_total", source=src)
+            for src in ("redis", "computed", "local_cache")}
+
+
 def assignments(log: Path) -> list[float]:
     """Wall-clock times of every `partitions_assigned` a worker logged."""
     return [datetime.fromisoformat(json.loads(line)["timestamp"].replace("Z", "+00:00")).timestamp()
@@ -121,13 +133,15 @@ def resumed_at_seq(log: Path, request_id: str) -> int | None:
     return None
 
 
-async def one_failover(pair: Pair, rep: int, prompt: str) -> dict:
+async def one_failover(pair: Pair, rep: int, prompt: str, redis) -> dict:
     s = pair.s
     reader = ReplyReader(s.kafka.options(), pair.cat.replies.name)
     await reader.start()
     rid = f"fo-{pair.mode}-{rep}-{uuid.uuid4().hex[:6]}"
     tokens: dict[int, list[int]] = {}
     resumed_before = {n: await pair.metric(n, "sluice_requests_resumed_total") for n in pair.procs}
+    prefill_before = {n: await prefill_by_source(pair, n) for n in pair.procs}
+    pages_before = stored_pages(redis, pair.key_prefix)
     try:
         t_sent = time.time()
         await produce(s.kafka.options(), [(pair.cat.request_topic("standard").name, rid.encode(), msgspec.json.encode(
@@ -149,7 +163,7 @@ async def one_failover(pair: Pair, rep: int, prompt: str) -> dict:
                     t_done, done = now, r
                 elif isinstance(r, ErrorReply):
                     raise SystemExit(f"{pair.mode}: error reply {r}")
-            if t_kill is None and len(tokens) >= 2:
+            if t_kill is None and len(tokens) >= pair.args.kill_after_tokens:
                 # the owner is the worker holding an engine slot (tokens are counted only at the end)
                 holding = [n for n in pair.procs if await pair.metric(n, "sluice_requests_in_engine") > 0]
                 if len(holding) != 1:
@@ -159,6 +173,8 @@ async def one_failover(pair: Pair, rep: int, prompt: str) -> dict:
                 os.killpg(proc.pid, signal.SIGKILL)  # the worker and its engine: a machine gone
                 t_kill, seq_at_kill = time.time(), max(tokens)
                 proc.wait()
+                # what the insurance holds: the victim writes no more, the survivor has not resumed yet
+                pages_at_kill = stored_pages(redis, pair.key_prefix) - pages_before
         if t_done is None:
             raise SystemExit(f"{pair.mode}: no done within 900 s")
     finally:
@@ -173,6 +189,9 @@ async def one_failover(pair: Pair, rep: int, prompt: str) -> dict:
         raise SystemExit(f"{pair.mode}: the survivor did not resume the request (was the owner killed?)")
     if sorted(tokens) != list(range(done.seq)):
         raise SystemExit(f"{pair.mode}: the stream has gaps: {sorted(tokens)} for done.seq {done.seq}")
+    # the resumed request is the only one the survivor ended since `prefill_before`
+    after = await prefill_by_source(pair, survivor)
+    prefill = {src: int(after[src] - prefill_before[survivor][src]) for src in after}
     await pair.start(victim)  # back to two workers for the next repetition
     await asyncio.sleep(pair.args.settle_s)
     # Records the survivor re-sends (those stored before the kill) come first; the first token generated
@@ -188,7 +207,8 @@ async def one_failover(pair: Pair, rep: int, prompt: str) -> dict:
             "resume_s": (t_first - t_assigned) if t_assigned else None, "first_s": t_first - t_kill,
             "resent_s": t_resent - t_kill,
             "done_s": t_done - t_kill, "tokens": sum(map(len, tokens.values())),
-            "rebalances_before_kill": unforced, "survivor_assignments_after_kill": survivor_assigned}
+            "rebalances_before_kill": unforced, "survivor_assignments_after_kill": survivor_assigned,
+            "pages_at_kill": pages_at_kill, "resume_prefill_tokens": prefill}
 
 
 async def main(args) -> None:
@@ -197,6 +217,9 @@ async def main(args) -> None:
     s = common.settings()
     args.model = args.model or s.engine.model
     tok = AutoTokenizer.from_pretrained(args.model)
+    from redis.cluster import RedisCluster
+
+    redis = RedisCluster.from_url(s.redis.url)
     pairs = {m: Pair(s, args, m) for m in ("pages", "recompute")}
     runs: dict[str, list[dict]] = {m: [] for m in pairs}
     try:
@@ -212,13 +235,15 @@ async def main(args) -> None:
         for rep, order in enumerate(harness.orders(list(pairs), args.reps)):
             prompt = tok.decode(long_prompt(tok, 1000 + rep, args.prompt_tokens))
             for mode in order:
-                r = await one_failover(pairs[mode], rep, prompt)
+                r = await one_failover(pairs[mode], rep, prompt, redis)
                 runs[mode].append(r)
                 print(f"rep {rep} {mode:9s} killed after {r['seq_at_kill'] + 1} token records: detect "
                       f"{r['detect_s']:.2f} s, re-sent {r['resent_s']:.2f} s, resume {r['resume_s']:.2f} s, "
                       f"first new token {r['first_s']:.2f} s, "
                       f"done {r['done_s']:.2f} s; rebalances before the kill {r['rebalances_before_kill']}, "
-                      f"survivor assignments after it {r['survivor_assignments_after_kill']}", flush=True)
+                      f"survivor assignments after it {r['survivor_assignments_after_kill']}; pages stored at the "
+                      f"kill {r['pages_at_kill']}, the resumed prefix's tokens loaded {r['resume_prefill_tokens']['redis']}"
+                      f", computed {r['resume_prefill_tokens']['computed']}", flush=True)
     finally:
         for p in pairs.values():
             p.stop()
@@ -229,7 +254,8 @@ async def main(args) -> None:
     resume_ratio = harness.spread([a["resume_s"] / b["resume_s"] for a, b in zip(runs["pages"], runs["recompute"])])
     group = s.override(**({"group_session_timeout_ms": args.session_timeout_ms} if args.session_timeout_ms else {}),
                        **({"group_heartbeat_interval_ms": args.heartbeat_ms} if args.heartbeat_ms else {})).group
-    print(f"\nSIGKILL mid-stream, ~{args.prompt_tokens}-token prompt, {args.max_tokens} tokens, session timeout "
+    print(f"\nSIGKILL after {args.kill_after_tokens} token records, ~{args.prompt_tokens}-token prompt, "
+          f"{args.max_tokens} tokens, session timeout "
           f"{group.session_timeout_ms} ms, heartbeat {group.heartbeat_ms()} ms, group guard {args.leave_on_death}, "
           f"compile mode {args.compile_mode}, "
           f"page save budget {f'{args.budget_mib_s:g} MiB/s, {args.burst_s:g} s burst' if args.budget_mib_s else 'none'}, "
@@ -244,6 +270,10 @@ async def main(args) -> None:
     print(f"kill -> first resumed token, pages / recompute: {ratio['median']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}]")
     print(f"assignment -> first resumed token, pages / recompute: {resume_ratio['median']:.3f} "
           f"[{resume_ratio['min']:.3f}-{resume_ratio['max']:.3f}]")
+    for m, rs in runs.items():
+        print(f"{m}: pages stored at the kill " + ", ".join(str(r["pages_at_kill"]) for r in rs)
+              + "; the resumed prefix's tokens loaded from Redis / computed "
+              + ", ".join(f"{r['resume_prefill_tokens']['redis']}/{r['resume_prefill_tokens']['computed']}" for r in rs))
     unforced = sum(r["rebalances_before_kill"] for rs in runs.values() for r in rs)
     extra = sum(r["survivor_assignments_after_kill"] - 1 for rs in runs.values() for r in rs)
     print(f"rebalances while both workers lived (a live worker evicted): {unforced}; "
@@ -273,6 +303,9 @@ def parser() -> argparse.ArgumentParser:
                    help="SLUICE_GROUP_LEAVE_ON_DEATH: the killed worker's guard takes it out of the group at once")
     p.add_argument("--prompt-tokens", type=int, default=1500)
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--kill-after-tokens", type=int, default=2,
+                   help="SIGKILL the owner once this many token records have arrived (pages are saved behind "
+                        "the engine: a kill right after the prefill finds few of the prompt's pages stored)")
     p.add_argument("--settle-s", type=float, default=8.0, help="after a (re)start, for the group to settle")
     p.add_argument("--compile-mode", default="graph-cache", choices=["auto", "graph-cache", "eager"],
                    help="SLUICE_COMPILE_MODE of every worker (graph-cache: restarts load the compiled graphs)")
