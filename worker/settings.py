@@ -80,14 +80,19 @@ class KafkaSettings(_Section):
         return opts
 
 
+# Kafka's advice is at most a third of the session timeout, "and lower to control the expected time
+# for normal rebalances": a survivor's next heartbeat bounds how soon it learns a worker has gone.
+DEFAULT_HEARTBEAT_MS = 1000
+
+
 class GroupSettings(_Section):
     id: Annotated[str, Meta(min_length=1)] = "sluice-workers"
     commit_interval_ms: Positive = 500
     # A member whose heartbeats stop this long is dropped from the group and its partitions move.
     session_timeout_ms: Annotated[int, Meta(ge=1000)] = 10000
     # How often a member tells the coordinator it is alive; a survivor learns of a rebalance at its
-    # next heartbeat, so detection of a dead worker takes up to session timeout + this. 0: a third
-    # of the session timeout (aiokafka's advice).
+    # next heartbeat, so once a dead worker has left (its guard's LeaveGroup) its partitions wait up
+    # to this long for the survivors to rejoin. 0: a third of the session timeout, at most 1 s.
     heartbeat_interval_ms: NonNegative = 0
     # A worker process that dies (SIGKILL, the OOM killer, a crash) is taken out of the group at once by
     # its guard process (worker/group_guard.py) instead of holding its partitions for the session timeout.
@@ -98,7 +103,7 @@ class GroupSettings(_Section):
     join_early: bool = True
 
     def heartbeat_ms(self) -> int:
-        return self.heartbeat_interval_ms or max(100, self.session_timeout_ms // 3)
+        return self.heartbeat_interval_ms or max(100, min(DEFAULT_HEARTBEAT_MS, self.session_timeout_ms // 3))
 
 
 class RedisSettings(_Section):

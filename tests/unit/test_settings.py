@@ -45,8 +45,10 @@ def test_missing_config_file():
 
 
 @pytest.mark.parametrize("env,heartbeat_ms", [
-    ({}, 3333),  # a third of the 10 s default session timeout
+    ({}, 1000),  # at most 1 s: a survivor learns of a rebalance at its next heartbeat
     ({"SLUICE_GROUP_SESSION_TIMEOUT_MS": "3000"}, 1000),
+    ({"SLUICE_GROUP_SESSION_TIMEOUT_MS": "1500"}, 500),  # a third of a short session timeout
+    ({"SLUICE_GROUP_SESSION_TIMEOUT_MS": "60000"}, 1000),
     ({"SLUICE_GROUP_SESSION_TIMEOUT_MS": "3000", "SLUICE_GROUP_HEARTBEAT_INTERVAL_MS": "500"}, 500),
 ])
 def test_heartbeat_follows_the_session_timeout_unless_set(env, heartbeat_ms):
