@@ -146,7 +146,7 @@ async def one_failover(pair: Pair, rep: int, prompt: str, redis) -> dict:
         t_sent = time.time()
         await produce(s.kafka.options(), [(pair.cat.request_topic("standard").name, rid.encode(), msgspec.json.encode(
             {"id": rid, "prompt": prompt, "max_tokens": pair.args.max_tokens}), [])])
-        t_kill = victim = t_done = None
+        t_kill = victim = t_done = t_first_record = None
         arrivals: list[tuple[float, int]] = []  # (time, seq) of token records read after the kill
         seq_at_kill = 0
         end = time.monotonic() + 900
@@ -156,6 +156,7 @@ async def one_failover(pair: Pair, rep: int, prompt: str, redis) -> dict:
                     continue
                 now = time.time()
                 if isinstance(r, TokenReply):
+                    t_first_record = t_first_record or now
                     tokens[r.seq] = r.token_ids
                     if t_kill is not None:
                         arrivals.append((now, r.seq))
@@ -208,7 +209,8 @@ async def one_failover(pair: Pair, rep: int, prompt: str, redis) -> dict:
             "resent_s": t_resent - t_kill,
             "done_s": t_done - t_kill, "tokens": sum(map(len, tokens.values())),
             "rebalances_before_kill": unforced, "survivor_assignments_after_kill": survivor_assigned,
-            "pages_at_kill": pages_at_kill, "resume_prefill_tokens": prefill}
+            "pages_at_kill": pages_at_kill, "resume_prefill_tokens": prefill,
+            "first_record_to_kill_s": t_kill - t_first_record}
 
 
 async def main(args) -> None:
@@ -242,7 +244,7 @@ async def main(args) -> None:
                       f"first new token {r['first_s']:.2f} s, "
                       f"done {r['done_s']:.2f} s; rebalances before the kill {r['rebalances_before_kill']}, "
                       f"survivor assignments after it {r['survivor_assignments_after_kill']}; pages stored at the "
-                      f"kill {r['pages_at_kill']}, the resumed prefix's tokens loaded {r['resume_prefill_tokens']['redis']}"
+                      f"kill ({r['first_record_to_kill_s']:.2f} s after the first token record) {r['pages_at_kill']}, the resumed prefix's tokens loaded {r['resume_prefill_tokens']['redis']}"
                       f", computed {r['resume_prefill_tokens']['computed']}", flush=True)
     finally:
         for p in pairs.values():
