@@ -9,8 +9,9 @@ With `--budget-mib-s B` the pages mode saves pages within B MiB/s (`kv.save_budg
 that keeps `--burst-s` seconds of unused budget, `kv.save_burst_s`): the
 survivor loads the leading pages that were saved and computes the rest.
 Each repetition sends one long streaming request to a pair, waits until `--kill-after-tokens` of
-its token records have arrived (2 by default: just after the prefill), SIGKILLs the worker that owns it (its whole process group: no drain, no commit), and
-times, on the client's clock:
+its token records have arrived (2 by default: just after the prefill), SIGKILLs the worker that
+owns it (its whole process group: no drain, no commit), counts the pair's pages in Redis at that
+moment, and times, on the client's clock:
   detect     kill -> the survivor's `partitions_assigned` (the group noticed: session timeout,
              rebalance)
   resent     kill -> the first record of the resumed stream (the survivor re-sends the records
@@ -19,6 +20,8 @@ times, on the client's clock:
              loaded or prefix recomputed, one decode step)
   first      kill -> first token generated after the kill (detect + resume)
   done       kill -> the `done` record
+and reads from the survivor's `sluice_prefill_tokens_total` how many tokens of the resumed prefix
+were loaded from Redis and how many computed.
 The killed worker is restarted and the pair settles before the next repetition; modes alternate.
 Both modes run with the same engine settings and binding (checked from the logs); the stream
 must come out whole (gapless seqs, one done). Writes bench/failover.json.
@@ -214,13 +217,12 @@ async def one_failover(pair: Pair, rep: int, prompt: str, redis) -> dict:
 
 
 async def main(args) -> None:
+    from redis.cluster import RedisCluster
     from transformers import AutoTokenizer
 
     s = common.settings()
     args.model = args.model or s.engine.model
     tok = AutoTokenizer.from_pretrained(args.model)
-    from redis.cluster import RedisCluster
-
     redis = RedisCluster.from_url(s.redis.url)
     pairs = {m: Pair(s, args, m) for m in ("pages", "recompute")}
     runs: dict[str, list[dict]] = {m: [] for m in pairs}
@@ -244,8 +246,9 @@ async def main(args) -> None:
                       f"first new token {r['first_s']:.2f} s, "
                       f"done {r['done_s']:.2f} s; rebalances before the kill {r['rebalances_before_kill']}, "
                       f"survivor assignments after it {r['survivor_assignments_after_kill']}; pages stored at the "
-                      f"kill ({r['first_record_to_kill_s']:.2f} s after the first token record) {r['pages_at_kill']}, the resumed prefix's tokens loaded {r['resume_prefill_tokens']['redis']}"
-                      f", computed {r['resume_prefill_tokens']['computed']}", flush=True)
+                      f"kill ({r['first_record_to_kill_s']:.2f} s after the first token record) {r['pages_at_kill']}, "
+                      f"the resumed prefix's tokens loaded {r['resume_prefill_tokens']['redis']}, "
+                      f"computed {r['resume_prefill_tokens']['computed']}", flush=True)
     finally:
         for p in pairs.values():
             p.stop()
