@@ -16,21 +16,11 @@ import subprocess
 import sys
 import uuid
 
+from tests.integration.kafka_proxy import HOST, listening
 from worker import devstack
 
-HOST = "127.0.0.1"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "sluice-test", "AWS_SECRET_ACCESS_KEY": "sluice-test",
                "AWS_DEFAULT_REGION": "eu-west-2"}
-
-
-async def _listening(port: int, proc: subprocess.Popen, what: str) -> None:
-    for _ in range(300):
-        if devstack.port_open(port):
-            return
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode} before listening on {port}")
-        await asyncio.sleep(0.1)
-    raise RuntimeError(f"{what} did not listen on {port}")
 
 
 class DurableBroker:
@@ -46,7 +36,7 @@ class DurableBroker:
 
         self._s3 = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(self.s3_port)],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        await _listening(self.s3_port, self._s3, "moto's S3 server")
+        await listening(self.s3_port, self._s3, "moto's S3 server")
         s3 = boto3.client("s3", endpoint_url=f"http://{HOST}:{self.s3_port}", region_name=CREDENTIALS["AWS_DEFAULT_REGION"],
                           aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
                           aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
@@ -60,7 +50,7 @@ class DurableBroker:
                                          "--advertised-listener-url", url, "--storage-engine", f"s3://{self.bucket}/"],
                                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                         start_new_session=True)
-        await _listening(self.broker_port, self._broker, "the durable broker")
+        await listening(self.broker_port, self._broker, "the durable broker")
 
     def kill(self) -> None:
         """SIGKILL: nothing flushed, no clean shutdown."""

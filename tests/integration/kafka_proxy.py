@@ -16,18 +16,29 @@ HOST = "127.0.0.1"
 FETCH = 1  # the Kafka protocol's api key of a Fetch request
 
 
+async def listening(port: int, proc: subprocess.Popen, what: str, timeout_s: float = 30) -> None:
+    """Until `proc` accepts connections on `port`; fails at once if it exits, or after `timeout_s`."""
+    for _ in range(int(timeout_s * 10)):
+        if devstack.port_open(port):
+            return
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} before listening on {port}")
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"{what} did not listen on {port}")
+
+
 async def start_broker_behind(broker_port: int, proxy_port: int) -> subprocess.Popen:
     """A Tansu broker on `broker_port` that advertises `proxy_port`; returns once it accepts connections."""
     url = f"tcp://{HOST}:{broker_port}"
     proc = subprocess.Popen([devstack.tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url",
                              f"tcp://{HOST}:{proxy_port}", "--storage-engine", "memory://tansu/"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    for _ in range(100):
-        if devstack.port_open(broker_port):
-            return proc
-        await asyncio.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"the test's broker did not listen on {broker_port}")
+    try:
+        await listening(broker_port, proc, "the test's broker", timeout_s=10)
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc
 
 
 async def pipe(src, dst) -> None:
