@@ -82,6 +82,19 @@ async def test_the_request_consumer_refreshes_its_metadata_every_30_s_so_added_p
     assert consumer._client._metadata_max_age_ms == 5000
 
 
+async def test_the_request_consumer_heartbeats_every_second_so_survivors_learn_of_a_dead_worker_soon():
+    """A dead worker's guard takes it out of the group at once; the survivors learn of the rebalance at
+    their next heartbeat, which at a third of the 10 s session timeout was up to 3.3 s of every failover."""
+    from worker.worker import kafka_consumer
+
+    consumer = kafka_consumer(load(environ={}))
+    assert (consumer._session_timeout_ms, consumer._heartbeat_interval_ms) == (10000, 1000)
+    consumer = kafka_consumer(load(environ={"SLUICE_GROUP_SESSION_TIMEOUT_MS": "1500"}))
+    assert consumer._heartbeat_interval_ms == 500
+    consumer = kafka_consumer(load(environ={"SLUICE_GROUP_HEARTBEAT_INTERVAL_MS": "3000"}))
+    assert consumer._heartbeat_interval_ms == 3000
+
+
 async def test_the_request_consumer_reports_a_position_the_broker_no_longer_holds():
     """With aiokafka's `earliest`, an offset below the log start (records retention removed unread) would
     be moved past in silence; the worker chooses the position itself and counts them
