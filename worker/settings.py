@@ -80,8 +80,8 @@ class KafkaSettings(_Section):
         return opts
 
 
-# Kafka's advice is at most a third of the session timeout, "and lower to control the expected time
-# for normal rebalances": a survivor's next heartbeat bounds how soon it learns a worker has gone.
+# Kafka's documentation advises at most a third of the session timeout, and lower to shorten normal
+# rebalances: a survivor's next heartbeat bounds how soon it learns that a worker has gone.
 DEFAULT_HEARTBEAT_MS = 1000
 
 
