@@ -136,18 +136,6 @@ def timeline(log: str) -> dict[str, float]:
     return {e: round(stamps[e] - stamps["engine_loading"], 2) for e in TIMELINE if e in stamps}
 
 
-def engine_setup(log: str) -> str:
-    """A worker's resolved engine configuration (its `engine_ready` line, less the stamps) and the cores
-    vLLM says it computes on: two starts are comparable only when these are equal."""
-    ready = next((json.loads(line) for line in log.splitlines()
-                  if line.startswith("{") and re.search(r'"event": ?"engine_ready"', line)), None)
-    if ready is None:
-        return "no engine_ready line"
-    config = {k: v for k, v in ready.items() if k not in ("timestamp", "event", "level", "logger")}
-    cores = re.search(r"core ids=(\[[0-9, ]*\])", log)
-    return json.dumps(config, sort_keys=True) + f" cores={cores.group(1) if cores else None}"
-
-
 def join_early(args) -> None:
     """`--join-early K`: `sluice worker` restarts to /readyz with SLUICE_GROUP_JOIN_EARLY on and off in
     turn (alternating order), K rounds, one warm compile cache; each worker's log must show the join
@@ -155,7 +143,7 @@ def join_early(args) -> None:
     mode, how = args.modes.split(",")[0], args.engine_starts.split(",")[0]
     samples: dict[str, list[float]] = {"on": [], "off": []}
     marks_by_arm: dict[str, list[dict]] = {"on": [], "off": []}
-    setups: set[str] = set()
+    reports: dict[str, dict] = {}  # each start's engine configuration and cores, read from its log
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / mode
         start(mode, cache, engine_start=how)  # fills the cache: every start below is a restart
@@ -171,14 +159,13 @@ def join_early(args) -> None:
                                      f"its engine loaded: no comparison ({worker_log(mode, how)})")
                 samples[arm].append(ready)
                 marks_by_arm[arm].append(marks)
-                setups.add(engine_setup(text))
-    if len(setups) != 1:  # the arms differ only in when they join, or nothing here compares them
-        raise SystemExit("the starts' engines were not set up alike: no comparison\n" + "\n".join(sorted(setups)))
-    setup = setups.pop()
+                reports[f"{arm}-{len(samples[arm])}"] = harness.arm_report(text)
+    harness.check_alike(reports)  # the arms differ only in when they join, or nothing here compares them
+    setup = next(iter(reports.values()))
     print(f"\n{common.machine()}; {common.today()}; rev {common.git_rev()}; {mode}, {how}, {args.join_early} rounds "
           f"in alternating order, each worker in a new group; session timeout "
           + (f"{args.session_timeout_ms} ms" if args.session_timeout_ms else "the default")
-          + f"; every start's engine set up alike ({setup})")
+          + "; every start's engine set up alike (" + ", ".join(f"{k}={setup[k]}" for k in harness.COMPARED) + ")")
     spread = {arm: harness.spread(ts) for arm, ts in samples.items()}
     for arm, sp in spread.items():
         print(f"join early {arm:3s}: sluice worker start to /readyz {sp['median']:5.1f} s [{sp['min']:.1f}-{sp['max']:.1f}]"
