@@ -108,7 +108,10 @@ class Pair:
 
 def stored_pages(redis, key_prefix: str) -> int:
     """KV pages under one pair's key prefix, counted on every primary of the cluster."""
-    return sum(1 for _ in redis.scan_iter(match=f"{key_prefix}:kv:*", count=1000, target_nodes=redis.PRIMARIES))
+    from worker import kv_pages
+
+    return sum(1 for _ in redis.scan_iter(match=kv_pages.key_pattern(key_prefix), count=1000,
+                                          target_nodes=redis.PRIMARIES))
 
 
 async def prefill_by_source(pair: Pair, name: str) -> dict[str, float]:

@@ -71,6 +71,11 @@ def key(prefix: str, digest: bytes) -> str:
     return f"{prefix}:kv:{digest.hex()}"
 
 
+def key_pattern(prefix: str) -> str:
+    """A Redis SCAN pattern that matches every page under `prefix` (tests and benches count or clear them)."""
+    return f"{prefix}:kv:*"
+
+
 def _check(digest: bytes, parts) -> bytes:
     crc = zlib.crc32(digest)
     for part in parts:

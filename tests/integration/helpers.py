@@ -162,9 +162,11 @@ def delete_pages(settings) -> int:
     """Remove every KV page under the settings' key prefix (a reference run that must recompute)."""
     from redis.cluster import RedisCluster
 
+    from worker import kv_pages
+
     client = RedisCluster.from_url(settings.redis.url)
     try:
-        keys = list(client.scan_iter(match=f"{settings.redis.key_prefix}:kv:*", count=1000,
+        keys = list(client.scan_iter(match=kv_pages.key_pattern(settings.redis.key_prefix), count=1000,
                                      target_nodes=RedisCluster.PRIMARIES))
         for key in keys:
             client.delete(key)
