@@ -306,7 +306,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--session-timeout-ms", type=int, default=None,
                    help="SLUICE_GROUP_SESSION_TIMEOUT_MS of every worker (default: the setting's default)")
     p.add_argument("--heartbeat-ms", type=int, default=None,
-                   help="SLUICE_GROUP_HEARTBEAT_INTERVAL_MS of every worker (default: a third of the session timeout)")
+                   help="SLUICE_GROUP_HEARTBEAT_INTERVAL_MS of every worker (default: the setting's default, "
+                        "1 s or a third of the session timeout when that is shorter)")
     p.add_argument("--leave-on-death", choices=["on", "off"], default="on",
                    help="SLUICE_GROUP_LEAVE_ON_DEATH: the killed worker's guard takes it out of the group at once")
     p.add_argument("--prompt-tokens", type=int, default=1500)

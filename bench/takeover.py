@@ -137,5 +137,5 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tries", type=int, default=3)
     p.add_argument("--session-timeout-ms", type=int, default=10000)
-    p.add_argument("--heartbeat-ms", type=int, default=0, help="0: the workers' default, a third of the session timeout")
+    p.add_argument("--heartbeat-ms", type=int, default=0, help="0: the workers' default, 1 s or a third of the session timeout when that is shorter")
     asyncio.run(main(p.parse_args()))
