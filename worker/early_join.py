@@ -37,10 +37,10 @@ def live_members(response) -> int | None:
 
 
 async def when_alone(kafka_options: dict, group_id: str, join: Callable[[], None], poll_s: float = POLL_S,
-                     timeout_s: float = 5.0) -> bool:
-    """Call `join()` as soon as `group_id` has no live member, and return True; runs until then or
-    until cancelled (the engine is ready first: the worker joins then). A coordinator that cannot say
-    (no DescribeGroups for these credentials, an error) returns False: the worker joins once loaded."""
+                     timeout_s: float = 5.0) -> None:
+    """Call `join()` as soon as `group_id` has no live member; runs until then or until cancelled (the
+    engine is ready first: the worker joins then). A coordinator that cannot say (no DescribeGroups for
+    these credentials, an error) ends it without a call: the worker joins once loaded."""
     from aiokafka.admin import AIOKafkaAdminClient
 
     admin = AIOKafkaAdminClient(**kafka_options, request_timeout_ms=int(timeout_s * 1000))
@@ -52,12 +52,12 @@ async def when_alone(kafka_options: dict, group_id: str, join: Callable[[], None
             members = live_members(response)
             if members is None:
                 log.info("group_join_after_loading", group=group_id, reason="the coordinator did not describe the group")
-                return False
+                return
             if members == 0:
                 log.info("group_joining_while_loading", group=group_id,
                          note="no other member serves the partitions: the join's hold passes during the load")
                 join()
-                return True
+                return
             if not told:
                 log.info("group_join_after_loading", group=group_id, members=members,
                          note="its members serve the partitions while this worker's engine loads")
@@ -67,7 +67,6 @@ async def when_alone(kafka_options: dict, group_id: str, join: Callable[[], None
         raise
     except Exception as exc:  # noqa: BLE001 - an optimisation: without it the worker joins once loaded
         log.info("group_join_after_loading", group=group_id, reason=f"describing the group failed: {exc!r}"[:300])
-        return False
     finally:
         with contextlib.suppress(Exception):
             await admin.close()
