@@ -21,7 +21,8 @@ moment, and times, on the client's clock:
   first      kill -> first token generated after the kill (detect + resume)
   done       kill -> the `done` record
 and reads from the survivor's `sluice_prefill_tokens_total` how many tokens of the resumed prefix
-were loaded from Redis and how many computed.
+were loaded from Redis and how many computed, and from its `sluice_kv_seconds_total{op="loaded"}`
+how long loading those pages took, by part (the Redis round, checks, the copy into the KV cache).
 The killed worker is restarted and the pair settles before the next repetition; modes alternate.
 Both modes run with the same engine settings and binding (checked from the logs); the stream
 must come out whole (gapless seqs, one done). Writes bench/failover.json.
@@ -120,6 +121,14 @@ async def prefill_by_source(pair: Pair, name: str) -> dict[str, float]:
             for src in ("redis", "computed", "local_cache")}
 
 
+async def page_load_seconds(pair: Pair, name: str) -> dict[str, float]:
+    """A worker's seconds spent loading KV pages so far, by part (counted when a request ends)."""
+    from worker.metrics import KV_SECONDS_PARTS
+
+    return {part: await common.scrape_metric(pair.procs[name][1], "sluice_kv_seconds_total", op="loaded", part=part)
+            for part in KV_SECONDS_PARTS["loaded"]}
+
+
 def assignments(log: Path) -> list[float]:
     """Wall-clock times of every `partitions_assigned` a worker logged."""
     return [datetime.fromisoformat(json.loads(line)["timestamp"].replace("Z", "+00:00")).timestamp()
@@ -147,6 +156,7 @@ async def one_failover(pair: Pair, rep: int, prompt: str, redis) -> dict:
     tokens: dict[int, list[int]] = {}
     resumed_before = {n: await pair.metric(n, "sluice_requests_resumed_total") for n in pair.procs}
     prefill_before = {n: await prefill_by_source(pair, n) for n in pair.procs}
+    load_before = {n: await page_load_seconds(pair, n) for n in pair.procs}
     pages_before = stored_pages(redis, pair.key_prefix)
     try:
         t_sent = time.time()
@@ -199,6 +209,8 @@ async def one_failover(pair: Pair, rep: int, prompt: str, redis) -> dict:
     # the resumed request is the only one the survivor ended since `prefill_before`
     after = await prefill_by_source(pair, survivor)
     prefill = {src: int(after[src] - prefill_before[survivor][src]) for src in after}
+    load_after = await page_load_seconds(pair, survivor)
+    page_load = {part: load_after[part] - load_before[survivor][part] for part in load_after}
     await pair.start(victim)  # back to two workers for the next repetition
     await asyncio.sleep(pair.args.settle_s)
     # Records the survivor re-sends (those stored before the kill) come first; the first token generated
@@ -215,7 +227,7 @@ async def one_failover(pair: Pair, rep: int, prompt: str, redis) -> dict:
             "resent_s": t_resent - t_kill,
             "done_s": t_done - t_kill, "tokens": sum(map(len, tokens.values())),
             "rebalances_before_kill": unforced, "survivor_assignments_after_kill": survivor_assigned,
-            "pages_at_kill": pages_at_kill, "resume_prefill_tokens": prefill,
+            "pages_at_kill": pages_at_kill, "resume_prefill_tokens": prefill, "resume_page_load_s": page_load,
             "first_record_to_kill_s": t_kill - t_first_record}
 
 
@@ -251,7 +263,9 @@ async def main(args) -> None:
                       f"survivor assignments after it {r['survivor_assignments_after_kill']}; pages stored at the "
                       f"kill ({r['first_record_to_kill_s']:.2f} s after the first token record) {r['pages_at_kill']}, "
                       f"the resumed prefix's tokens loaded {r['resume_prefill_tokens']['redis']}, "
-                      f"computed {r['resume_prefill_tokens']['computed']}", flush=True)
+                      f"computed {r['resume_prefill_tokens']['computed']}; loading pages took "
+                      + ", ".join(f"{part} {sec:.3f} s" for part, sec in r["resume_page_load_s"].items()),
+                      flush=True)
     finally:
         for p in pairs.values():
             p.stop()

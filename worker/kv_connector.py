@@ -243,6 +243,10 @@ class SluiceKVConnector(KVConnectorBase_V1):
         with self._lock:  # the writer thread counts too
             self._counts[name] = self._counts.get(name, 0) + n
 
+    def _count_time(self, op: str, part: str, seconds: float) -> None:
+        """Time spent moving pages, as whole microseconds (counts are integers): sluice_kv_seconds_total."""
+        self._count(f"us_{op}_{part}", round(seconds * 1e6))
+
     def _key(self, digest: bytes) -> str:
         return kv_pages.key(self.prefix, digest)
 
@@ -396,7 +400,9 @@ class SluiceKVConnector(KVConnectorBase_V1):
             return
         dtype_name = str(mover.dtype).removeprefix("torch.")
         for transfer in meta.loads:
+            started = time.perf_counter()
             values = self.redis.pipeline_run([("get", self._key(d)) for d, _ in transfer.pages])
+            fetched = time.perf_counter()
             payloads, blocks = [], []
             for j, (digest, block) in enumerate(transfer.pages):
                 try:
@@ -411,12 +417,16 @@ class SluiceKVConnector(KVConnectorBase_V1):
                     break
                 payloads.append(payload)
                 blocks.append(block)
+            decoded = time.perf_counter()
             if payloads:
                 # queued on the current stream, ahead of the forward pass that reads these blocks
                 mover.load(blocks, mover.host_pages(payloads))
                 self._count("loaded_pages", len(payloads))
                 self._count("loaded_bytes", sum(len(p) for p in payloads))
             self._loaded[transfer.req_id] = len(payloads)
+            self._count_time("loaded", "redis", fetched - started)
+            self._count_time("loaded", "decode", decoded - fetched)
+            self._count_time("loaded", "copy", time.perf_counter() - decoded)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -466,10 +476,12 @@ class SluiceKVConnector(KVConnectorBase_V1):
                     batch.append(q.get_nowait())
                 except queue.Empty:
                     break
+            started = time.perf_counter()
             if self.sealer is None:  # sent as the pieces lie in memory
                 items = [(self._key(digest), kv_pages.encode_pieces(digest, dtype_name, mover.page_shape, layers,
                                                                     pending.page_parts(i)))
                          for digest, pending, i, layers in batch]
+                encoded = time.perf_counter()
                 done = self.redis.set_pieces(items, self.ttl_s)
                 sizes = [sum(memoryview(p).nbytes for p in pieces) for _, pieces in items]
             else:  # the cipher needs the whole value
@@ -477,8 +489,12 @@ class SluiceKVConnector(KVConnectorBase_V1):
                 for digest, pending, i, layers in batch:
                     value = kv_pages.encode_parts(digest, dtype_name, mover.page_shape, layers, pending.page_parts(i))
                     values.append((digest, self.sealer.seal(value, self._key(digest))))
+                encoded = time.perf_counter()
                 done = self.redis.pipeline_run([("set", self._key(d), v, self.ttl_s) for d, v in values])
                 sizes = [len(v) for _, v in values]
+            # encode: waiting for the pages' copy to the host, framing (and sealing); redis: the SET round
+            self._count_time("stored", "encode", encoded - started)
+            self._count_time("stored", "redis", time.perf_counter() - encoded)
             if done is None:
                 self._count("save_failed", len(sizes))
             else:

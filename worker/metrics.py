@@ -146,6 +146,13 @@ prefill_tokens = Counter("sluice_prefill_tokens_total",
                          ["class", "source"], registry=REGISTRY)
 kv_pages = Counter("sluice_kv_pages_total", "KV pages moved to or from Redis", ["op"], registry=REGISTRY)
 kv_bytes = Counter("sluice_kv_bytes_total", "KV page bytes moved to or from Redis", ["op"], registry=REGISTRY)
+# where moving pages takes its time, by op and part; summed over the engine's workers (one on CPU)
+KV_SECONDS_PARTS = {"loaded": ("redis", "decode", "copy"), "stored": ("encode", "redis")}
+kv_seconds = Counter("sluice_kv_seconds_total",
+                     "Seconds the engine's connector spent moving KV pages: loaded (redis: the GET round; decode: "
+                     "checks and unsealing; copy: into the KV cache, queued only on an accelerator), stored (encode: "
+                     "waiting for the copy to host memory, framing and sealing; redis: the SET round)",
+                     ["op", "part"], registry=REGISTRY)
 kv_load_misses = Counter("sluice_kv_load_misses_total",
                          "Stored pages not used (recomputed instead), by reason: missing, corrupt, checksum, "
                          "layout, unavailable; with encryption also forged, not_sealed, unknown_key", ["reason"], registry=REGISTRY)
@@ -213,6 +220,10 @@ def record_kv(cls: str, prompt_len: int, cached_tokens: int, kv: dict | None) ->
             kv_pages.labels(name.removesuffix("_pages")).inc(n)
         elif name in ("stored_bytes", "loaded_bytes"):
             kv_bytes.labels(name.removesuffix("_bytes")).inc(n)
+        elif name.startswith("us_"):  # worker/kv_connector.py: _count_time
+            op, _, part = name.removeprefix("us_").partition("_")
+            if part in KV_SECONDS_PARTS.get(op, ()):
+                kv_seconds.labels(op, part).inc(n / 1e6)
         elif name.startswith("load_miss_"):
             kv_load_misses.labels(name.removeprefix("load_miss_")).inc(n)
         elif name.startswith("save_"):
@@ -249,6 +260,8 @@ def start_series(classes) -> None:
     for op in ("stored", "loaded"):
         kv_pages.labels(op)
         kv_bytes.labels(op)
+        for part in KV_SECONDS_PARTS[op]:
+            kv_seconds.labels(op, part)
     for reason in PAGE_MISS_REASONS:
         kv_load_misses.labels(reason)
     for reason in ("over_budget", "dropped", "failed"):

@@ -45,7 +45,7 @@ async def test_pages_load_on_a_prefix_match_and_never_across_tenants_or_when_cor
     assert len(ids) > 4 * engine.block_size
     keys = page_keys(settings, engine, "acme", ids)
 
-    first, _ = await run(engine, "kv-a1", ids, "acme")
+    first, first_done = await run(engine, "kv-a1", ids, "acme")
     await wait_stored(redis, keys)
 
     # same tenant, local prefix cache forgotten: the prefix comes from Redis, the output is unchanged
@@ -53,6 +53,13 @@ async def test_pages_load_on_a_prefix_match_and_never_across_tenants_or_when_cor
     again, done = await run(engine, "kv-a2", ids, "acme")
     assert again == first
     assert done.kv["loaded_tokens"] == len(keys) * engine.block_size, done.kv
+    # the time that moving pages took, by part (sluice_kv_seconds_total): the first run's saves and this
+    # load, each counted on the request that moved them or a later one (the writer counts after its SET round)
+    _, tail = await run(engine, "kv-a2-tail", ids[:8], "acme", max_tokens=1)
+    moved_us = {name: sum(d.kv["counts"].get(name, 0) for d in (first_done, done, tail))
+                for name in ("us_loaded_redis", "us_loaded_decode", "us_loaded_copy", "us_stored_encode",
+                             "us_stored_redis")}
+    assert all(us > 0 for us in moved_us.values()), moved_us
 
     # another tenant with the identical prompt: its chain has other keys, nothing loads
     await engine.reset_prefix_cache()
