@@ -80,13 +80,23 @@ class Progress:
         return cls(chunks, scores, tokenizer) if chunks else None
 # Fencing: each run of a request claims it (`SET owner`); progress and the answer are written only
 # by the run that holds the claim. KEYS[1] is the owner key; an empty owner (ARGV[1]) writes anyway
-# (the claim could not be made: Redis was away then).
-# Progress: KEYS[2] the progress hash; ARGV[2] the TTL, then field/value pairs.
+# (the claim could not be made: Redis was away then). A claim that is gone with no answer stored was
+# not taken over: it was lost (a Redis node failed over or restarted before it had the key). That run
+# takes its claim again and goes on (returns 2), rather than being fenced with nobody left to answer.
+# Progress: KEYS[2] the progress hash, KEYS[3] the answer; ARGV[2] the TTL, then field/value pairs.
 _APPEND_IF_OWNER = Script("""
-if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local retaken = 0
+if ARGV[1] ~= '' then
+  local holder = redis.call('GET', KEYS[1])
+  if holder ~= ARGV[1] then
+    if holder or redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
+    redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+    retaken = 1
+  end
+end
 redis.call('HSET', KEYS[2], unpack(ARGV, 3))
 redis.call('EXPIRE', KEYS[2], ARGV[2])
-return 1
+return 1 + retaken
 """)
 # Intake: KEYS[1] the answer, KEYS[2] the progress, KEYS[3] the owner key; ARGV[1] the attempt's owner
 # token ('' claims nothing), ARGV[2] the claim's TTL, ARGV[3] '1' to read the progress. A stored answer is
@@ -101,11 +111,19 @@ if ARGV[1] ~= '' then redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[2]) end
 return {0, progress}
 """)
 # Answer: KEYS[2] the answer, KEYS[3] the progress (removed with the claim); ARGV[2] the answer, ARGV[3] its TTL.
+# A lost claim (gone, no answer stored) is stored over as above (returns 2).
 _ANSWER_IF_OWNER = Script("""
-if ARGV[1] ~= '' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local retaken = 0
+if ARGV[1] ~= '' then
+  local holder = redis.call('GET', KEYS[1])
+  if holder ~= ARGV[1] then
+    if holder or redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+    retaken = 1
+  end
+end
 redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
 redis.call('DEL', KEYS[1], KEYS[3])
-return 1
+return 1 + retaken
 """)
 
 
@@ -388,7 +406,8 @@ class AnswerStore:
     async def _write(self, appends: list[tuple[str, list, object]], answers: list[tuple[str, bytes, str]]
                      ) -> list[bool | None]:
         """One pipelined round: progress appends (id, script args), then answers (id, answer, owner)."""
-        calls = [(_APPEND_IF_OWNER, [self.owner_key(rid), self.progress_key(rid)], args) for rid, args, _ in appends]
+        calls = [(_APPEND_IF_OWNER, [self.owner_key(rid), self.progress_key(rid), self.key(rid)], args)
+                 for rid, args, _ in appends]
         for rid, payload, owner in answers:
             if self.sealer is not None:
                 payload = self.sealer.seal(payload, self.key(rid))
@@ -396,7 +415,15 @@ class AnswerStore:
                           [owner, payload, self.ttl_s]))
         n = len(calls)
         found = await self._call(lambda c: run_scripts(c, calls)) if calls else []
-        return [None] * n if found is None else [bool(x) for x in found]
+        if found is None:
+            return [None] * n
+        ids = [rid for rid, _, _ in appends] + [rid for rid, _, _ in answers]
+        for rid, x in zip(ids, found):
+            if x == 2:
+                metrics.claims_retaken.inc()
+                log.warning("claim_retaken", request_id=rid,
+                            note="the request's claim was gone with no answer stored (lost in Redis): taken again")
+        return [bool(x) for x in found]
 
     async def ping(self) -> bool:
         return bool(await self._call(lambda c: c.ping()))

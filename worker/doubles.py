@@ -336,6 +336,11 @@ class MemoryAnswers:
                 self.owners[rid] = owners[i]
         return out
 
+    def _fenced(self, request_id: str, owner: str) -> bool:
+        """Another attempt holds the claim, or the claim is gone because an answer was stored."""
+        holder = self.owners.get(request_id)
+        return holder != owner and (holder is not None or request_id in self.answers)
+
     def put_later(self, request_id: str, final_reply: bytes, owner: str = "") -> asyncio.Future:
         """Stored once `hold` (an Event, if set by a test) allows; resolves as AnswerStore's does:
         True stored, False fenced (another run owns the id), None Redis away."""
@@ -346,7 +351,7 @@ class MemoryAnswers:
                 await self.hold.wait()
             if not self.available:
                 done.set_result(None)
-            elif owner and self.owners.get(request_id) != owner:
+            elif owner and self._fenced(request_id, owner):
                 done.set_result(False)
             else:
                 self.answers[request_id] = final_reply
@@ -362,8 +367,10 @@ class MemoryAnswers:
     async def append_chunks(self, request_id, chunks, scores=None, owner=None, tokenizer=None):
         if not self.available:
             return None
-        if owner and self.owners.get(request_id) != owner:
-            return False  # another attempt owns it now
+        if owner and self._fenced(request_id, owner):
+            return False  # another attempt owns it now, or answered it
+        if owner:
+            self.owners[request_id] = owner  # a claim gone with no answer is taken again, as AnswerStore's is
         for seq, token_ids, text in chunks:
             self.progress.setdefault(request_id, {})[seq] = (list(token_ids), text)
         if tokenizer is not None:

@@ -198,6 +198,9 @@ state_rejected = Counter("sluice_state_rejected_total",
 fenced = Counter("sluice_attempts_fenced_total",
                  "Attempts stopped because another worker claimed their request (this one was paused too long)",
                  registry=REGISTRY)
+claims_retaken = Counter("sluice_claims_retaken_total",
+                         "A run found its request's claim gone with no answer stored (lost in a Redis failover or "
+                         "restart) and took it again instead of counting itself fenced", registry=REGISTRY)
 
 
 def tenant_label(tenant: str) -> str:

@@ -29,6 +29,48 @@ async def test_a_later_claim_fences_the_earlier_attempt(settings):
         await store.stop()
 
 
+async def test_a_claim_lost_in_redis_is_taken_again_not_counted_as_a_takeover(settings):
+    """A Redis node that failed over or restarted before it had a request's claim loses the key. No
+    other run took the request, so the run goes on and takes its claim again; it is fenced only when
+    another run holds the claim or has stored the answer. (Counted fenced, the run's record was
+    finished with nobody left to answer it: a request lost and its offset committed, found by the
+    chaos harness with a Redis master killed beside a paused worker.)"""
+    from redis.asyncio.cluster import RedisCluster
+
+    from worker import metrics
+
+    store = AnswerStore(settings.redis.url, f"fence-{uuid.uuid4().hex[:6]}", 60, settings.redis.timeout_ms)
+    redis = RedisCluster.from_url(settings.redis.url)
+    retaken = lambda: metrics.REGISTRY.get_sample_value("sluice_claims_retaken_total") or 0.0  # noqa: E731
+    await store.start()
+    try:
+        before = retaken()
+        assert await store.lookup_many(["r1"], [True], ["A#1"]) == [(None, None)]
+        await redis.delete(store.owner_key("r1"))  # the claim lost with a Redis node
+        assert await store.append_chunks("r1", [(0, [1], "a")], owner="A#1") is True
+        assert await redis.get(store.owner_key("r1")) == b"A#1"  # taken again
+        assert retaken() == before + 1
+        await redis.delete(store.owner_key("r1"))
+        assert await store.put_later("r1", b'{"type":"done","by":"A"}', "A#1") is True  # answered over the loss
+        assert retaken() == before + 2
+        (answer, progress), = await store.lookup_many(["r1"], [True], ["C#1"])
+        assert answer == b'{"type":"done","by":"A"}' and progress is None
+
+        # gone because another run answered: fenced, and nothing of this run is stored
+        assert await store.lookup_many(["r2"], [True], ["A#1"]) == [(None, None)]
+        assert await store.lookup_many(["r2"], [True], ["B#7"]) == [(None, None)]
+        assert await store.put_later("r2", b'{"type":"done","by":"B"}', "B#7") is True  # deletes the claim
+        assert await store.append_chunks("r2", [(0, [2], "late")], owner="A#1") is False
+        assert await store.put_later("r2", b'{"type":"done","by":"A"}', "A#1") is False
+        assert await redis.get(store.owner_key("r2")) is None
+        (answer, _), = await store.lookup_many(["r2"], [True], [""])
+        assert answer == b'{"type":"done","by":"B"}'
+        assert retaken() == before + 2
+    finally:
+        await store.stop()
+        await redis.aclose()
+
+
 async def test_concurrent_appends_share_rounds_and_keep_their_own_results(settings):
     """Appends made meanwhile are pipelined together: each still gets its own verdict."""
     import asyncio
