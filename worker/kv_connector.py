@@ -448,6 +448,7 @@ class SluiceKVConnector(KVConnectorBase_V1):
         buf, self._save_buf, self._save_index = self._save_buf, {}, None
         if not isinstance(meta, SluiceKVMetadata) or not meta.saves or not buf or self._mover is None:
             return
+        computed = time.perf_counter()  # the step that computed these pages has just ended
         names = sorted(buf, key=_layer_order)
         # device -> pinned host on a side stream; the writer thread waits for the copy, not the forward pass
         pending = self._mover.to_host([buf[n] for n in names])
@@ -457,7 +458,7 @@ class SluiceKVConnector(KVConnectorBase_V1):
             if writer.qsize() >= self._max_queue:
                 self._count("save_dropped")
                 continue
-            writer.put((digest, pending, i, len(names)))
+            writer.put((digest, pending, i, len(names), computed))
 
     def _writer_queue(self) -> queue.Queue:
         if self._writer is None:
@@ -480,24 +481,27 @@ class SluiceKVConnector(KVConnectorBase_V1):
             if self.sealer is None:  # sent as the pieces lie in memory
                 items = [(self._key(digest), kv_pages.encode_pieces(digest, dtype_name, mover.page_shape, layers,
                                                                     pending.page_parts(i)))
-                         for digest, pending, i, layers in batch]
+                         for digest, pending, i, layers, _ in batch]
                 encoded = time.perf_counter()
                 done = self.redis.set_pieces(items, self.ttl_s)
                 sizes = [sum(memoryview(p).nbytes for p in pieces) for _, pieces in items]
             else:  # the cipher needs the whole value
                 values = []
-                for digest, pending, i, layers in batch:
+                for digest, pending, i, layers, _ in batch:
                     value = kv_pages.encode_parts(digest, dtype_name, mover.page_shape, layers, pending.page_parts(i))
                     values.append((digest, self.sealer.seal(value, self._key(digest))))
                 encoded = time.perf_counter()
                 done = self.redis.pipeline_run([("set", self._key(d), v, self.ttl_s) for d, v in values])
                 sizes = [len(v) for _, v in values]
+            finished = time.perf_counter()
             # encode: waiting for the pages' copy to the host, framing (and sealing); redis: the SET round
             self._count_time("stored", "encode", encoded - started)
-            self._count_time("stored", "redis", time.perf_counter() - encoded)
+            self._count_time("stored", "redis", finished - encoded)
             if done is None:
                 self._count("save_failed", len(sizes))
             else:
+                # how long each page was computed but not yet in Redis: its wait in this queue and the above
+                self._count("page_lag_us", round(sum(finished - computed for *_, computed in batch) * 1e6))
                 self._count("stored_pages", len(sizes))
                 self._count("stored_bytes", sum(sizes))
 

@@ -153,6 +153,11 @@ kv_seconds = Counter("sluice_kv_seconds_total",
                      "checks and unsealing; copy: into the KV cache, queued only on an accelerator), stored (encode: "
                      "waiting for the copy to host memory, framing and sealing; redis: the SET round)",
                      ["op", "part"], registry=REGISTRY)
+kv_page_lag = Counter("sluice_kv_page_lag_seconds_total",
+                      "Summed over the KV pages stored: seconds from the engine step that computed a page until Redis "
+                      "had it (the writer's queue, the copy to host memory, framing, the SET round). Divided by "
+                      "sluice_kv_pages_total{op=\"stored\"}: how long a computed page is not yet insured, on average",
+                      registry=REGISTRY)
 kv_load_misses = Counter("sluice_kv_load_misses_total",
                          "Stored pages not used (recomputed instead), by reason: missing, corrupt, checksum, "
                          "layout, unavailable; with encryption also forged, not_sealed, unknown_key", ["reason"], registry=REGISTRY)
@@ -227,6 +232,8 @@ def record_kv(cls: str, prompt_len: int, cached_tokens: int, kv: dict | None) ->
             op, _, part = name.removeprefix("us_").partition("_")
             if part in KV_SECONDS_PARTS.get(op, ()):
                 kv_seconds.labels(op, part).inc(n / 1e6)
+        elif name == "page_lag_us":
+            kv_page_lag.inc(n / 1e6)
         elif name.startswith("load_miss_"):
             kv_load_misses.labels(name.removeprefix("load_miss_")).inc(n)
         elif name.startswith("save_"):

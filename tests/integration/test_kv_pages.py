@@ -54,11 +54,12 @@ async def test_pages_load_on_a_prefix_match_and_never_across_tenants_or_when_cor
     assert again == first
     assert done.kv["loaded_tokens"] == len(keys) * engine.block_size, done.kv
     # the time that moving pages took, by part (sluice_kv_seconds_total): the first run's saves and this
-    # load, each counted on the request that moved them or a later one (the writer counts after its SET round)
+    # load, each counted on the request that moved them or a later one (the writer counts after its SET round);
+    # and how long the saved pages waited to be in Redis (sluice_kv_page_lag_seconds_total)
     _, tail = await run(engine, "kv-a2-tail", ids[:8], "acme", max_tokens=1)
     moved_us = {name: sum(d.kv["counts"].get(name, 0) for d in (first_done, done, tail))
                 for name in ("us_loaded_redis", "us_loaded_decode", "us_loaded_copy", "us_stored_encode",
-                             "us_stored_redis")}
+                             "us_stored_redis", "page_lag_us")}
     assert all(us > 0 for us in moved_us.values()), moved_us
 
     # another tenant with the identical prompt: its chain has other keys, nothing loads
