@@ -97,16 +97,18 @@ class _Redis:
             except Exception:
                 pass
 
-    def set_pieces(self, items, ttl_s: int) -> bool | None:
+    def set_pieces(self, items, ttl_s: int) -> list[float] | None:
         """SET each `(key, pieces)` to the pieces joined, sent to the key's primary as they lie in
         memory: no copy of a value is made to send it (pages are megabytes, and each copy is taken
         from the engine's cores). A refusal (a moved slot) goes again through redis-py's pipeline,
-        which follows it. None if Redis is unavailable."""
+        which follows it. Returns when each SET was acknowledged (`time.perf_counter()`, in order:
+        one at a time, so the leading pages are stored first); None if Redis is unavailable."""
         from redis.exceptions import ResponseError
 
         client = self.client()
         if client is None:
             return None
+        acknowledged = []
         try:
             for key, pieces in items:
                 pool = client.get_redis_connection(client.get_node_from_key(key)).connection_pool
@@ -122,7 +124,8 @@ class _Redis:
                     pool.release(conn)
                 if refused and self.pipeline_run([("set", key, b"".join(pieces), ttl_s)]) is None:
                     return None
-            return True
+                acknowledged.append(time.perf_counter())
+            return acknowledged
         except Exception:
             self.failed()
             return None
@@ -485,6 +488,7 @@ class SluiceKVConnector(KVConnectorBase_V1):
                 encoded = time.perf_counter()
                 done = self.redis.set_pieces(items, self.ttl_s)
                 sizes = [sum(memoryview(p).nbytes for p in pieces) for _, pieces in items]
+                landed = done
             else:  # the cipher needs the whole value
                 values = []
                 for digest, pending, i, layers, _ in batch:
@@ -493,6 +497,7 @@ class SluiceKVConnector(KVConnectorBase_V1):
                 encoded = time.perf_counter()
                 done = self.redis.pipeline_run([("set", self._key(d), v, self.ttl_s) for d, v in values])
                 sizes = [len(v) for _, v in values]
+                landed = None  # one pipeline: every page lands when it ends
             finished = time.perf_counter()
             # encode: waiting for the pages' copy to the host, framing (and sealing); redis: the SET round
             self._count_time("stored", "encode", encoded - started)
@@ -500,8 +505,10 @@ class SluiceKVConnector(KVConnectorBase_V1):
             if done is None:
                 self._count("save_failed", len(sizes))
             else:
-                # how long each page was computed but not yet in Redis: its wait in this queue and the above
-                self._count("page_lag_us", round(sum(finished - computed for *_, computed in batch) * 1e6))
+                # how long each page was computed but not yet in Redis: its wait in this queue, the copy
+                # to host memory, framing, and its SET (or the batch's pipeline)
+                landed = landed or [finished] * len(batch)
+                self._count("page_lag_us", round(sum(t - item[-1] for t, item in zip(landed, batch)) * 1e6))
                 self._count("stored_pages", len(sizes))
                 self._count("stored_bytes", sum(sizes))
 

@@ -1,8 +1,10 @@
 """KV pages sent to Redis as their pieces lie in memory (`_Redis.set_pieces`), on the real Redis
-Cluster: what is stored is the joined value, on every primary, with its TTL; a moved slot is
-followed through redis-py's pipeline."""
+Cluster: what is stored is the joined value, on every primary, with its TTL, one after another
+in order (each SET's acknowledgement time comes back); a moved slot is followed through redis-py's
+pipeline."""
 
 import os
+import time
 import uuid
 
 import pytest
@@ -29,7 +31,10 @@ def pieces(n: int) -> list:
 def test_every_value_is_stored_whole_with_its_ttl_on_every_primary(store):
     tag = uuid.uuid4().hex[:6]
     items = [(kv_pages.key(f"pieces-{tag}", bytes([i]) * 32), pieces(i)) for i in range(24)]
-    assert store.set_pieces(items, 120) is True
+    sent = time.perf_counter()
+    acknowledged = store.set_pieces(items, 120)
+    assert len(acknowledged) == len(items)
+    assert sent < acknowledged[0] and acknowledged == sorted(acknowledged) and acknowledged[-1] <= time.perf_counter()
     client = store.client()
     assert len({client.get_node_from_key(k).name for k, _ in items}) == 3
     for key, parts in items:
@@ -44,7 +49,7 @@ def test_a_moved_slot_is_followed(store, monkeypatch):
     other = next(n for n in client.get_primaries() if n.name != owner.name)
     monkeypatch.setattr(client, "get_node_from_key", lambda k, replica=False: other)  # a stale slot map
     parts = pieces(0)
-    assert store.set_pieces([(key, parts)], 60) is True
+    assert len(store.set_pieces([(key, parts)], 60)) == 1
     monkeypatch.undo()
     assert client.get(key) == b"".join(bytes(p) for p in parts)
 
