@@ -41,9 +41,11 @@ async def main(args) -> dict:
     async with common.worker_process(s, "lag", log_path, SLUICE_METRICS_PORT=str(port), SLUICE_LOG_LEVEL="info"):
         env = {**os.environ, "SLUICE_TOPICS_FILE": str(log_path.with_suffix(".topics.toml")),
                "SLUICE_KAFKA_IDEMPOTENCE": "false"}
-        for i in range(args.requests + 1):
-            # the last, one-token request carries the counts the writer made after the others ended
-            last = i == args.requests
+        # Two one-token requests at the end: the engine ships the writer's counts with its next step, and
+        # they ride on a request that finishes after that step (vLLM finishes a step's requests before it
+        # reads the step's connector output), so an engine gone idle holds the last counts until then.
+        for i in range(args.requests + 2):
+            last = i >= args.requests
             prompt = "tail" if last else tok.decode(long_prompt(tok, 2000 + i, args.prompt_tokens))
             done = subprocess.run([sys.executable, "-m", "worker.cli", "ask", "--json", "--max-tokens",
                                    "1" if last else str(args.max_tokens), prompt],
