@@ -54,8 +54,10 @@ async def main(args) -> dict:
                 raise RuntimeError(f"sluice ask failed: {done.stderr[-2000:]}")
             reply = json.loads(done.stdout.strip().splitlines()[-1])
             if not last:
-                answers.append(reply.get("usage"))
-                print(f"request {i + 1}/{args.requests}: {reply.get('usage')}", flush=True)
+                # `sluice ask` says how long the request took, as its client saw it
+                took = next((line for line in (done.stderr + done.stdout).splitlines() if line.startswith("done in")), "")
+                answers.append({"usage": reply.get("usage"), "client": took})
+                print(f"request {i + 1}/{args.requests}: {took}", flush=True)
             await asyncio.sleep(0 if last else 2)
         scrape = {name: await common.scrape_metric(port, metric, **labels) for name, metric, labels in (
             ("pages", "sluice_kv_pages_total", {"op": "stored"}),
