@@ -6,7 +6,7 @@ A worker that dies within that time leaves those pages unsaved, and its successo
 part of the prompt again. One `sluice worker` on fresh topics of its own (the dev stack, as every
 bench), `--requests` streamed requests with the failover bench's prompts sent one after another
 (`sluice ask`), then the worker's own counts: `sluice_kv_page_lag_seconds_total` over the pages
-stored (from the engine step that computed a page until its SET round ended), beside the writer's
+stored (from the engine step that computed a page until Redis acknowledged its own SET), beside the writer's
 time per page (`sluice_kv_seconds_total{op="stored"}`: framing and the SET round, each batch of
 pages counted once). Engine settings are the worker's defaults (`SLUICE_DTYPE` and the rest from
 the environment). Writes bench/page_lag.json.

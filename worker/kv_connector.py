@@ -488,7 +488,6 @@ class SluiceKVConnector(KVConnectorBase_V1):
                 encoded = time.perf_counter()
                 done = self.redis.set_pieces(items, self.ttl_s)
                 sizes = [sum(memoryview(p).nbytes for p in pieces) for _, pieces in items]
-                landed = done
             else:  # the cipher needs the whole value
                 values = []
                 for digest, pending, i, layers, _ in batch:
@@ -497,7 +496,6 @@ class SluiceKVConnector(KVConnectorBase_V1):
                 encoded = time.perf_counter()
                 done = self.redis.pipeline_run([("set", self._key(d), v, self.ttl_s) for d, v in values])
                 sizes = [len(v) for _, v in values]
-                landed = None  # one pipeline: every page lands when it ends
             finished = time.perf_counter()
             # encode: waiting for the pages' copy to the host, framing (and sealing); redis: the SET round
             self._count_time("stored", "encode", encoded - started)
@@ -506,8 +504,8 @@ class SluiceKVConnector(KVConnectorBase_V1):
                 self._count("save_failed", len(sizes))
             else:
                 # how long each page was computed but not yet in Redis: its wait in this queue, the copy
-                # to host memory, framing, and its SET (or the batch's pipeline)
-                landed = landed or [finished] * len(batch)
+                # to host memory, framing, and its own SET (sealed pages: the batch's one pipeline)
+                landed = done if self.sealer is None else [finished] * len(batch)
                 self._count("page_lag_us", round(sum(t - item[-1] for t, item in zip(landed, batch)) * 1e6))
                 self._count("stored_pages", len(sizes))
                 self._count("stored_bytes", sum(sizes))

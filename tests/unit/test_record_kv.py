@@ -1,7 +1,7 @@
 """The connector's counts, carried by a finished request, land in the metrics they name: pages and
 bytes by op, misses and failed saves by reason, the time spent moving pages by op and part, and how
-long stored pages waited to be in Redis (all times counted in whole microseconds, exported in seconds). A time count for a part that is not known is
-dropped rather than made a new label value."""
+long stored pages waited to be in Redis (all times counted in whole microseconds, exported in
+seconds). A time count for a part that is not known is dropped rather than made a new label value."""
 
 import pytest
 
