@@ -24,6 +24,17 @@ from worker.runner import Job, Suspended
 log = structlog.get_logger("sluice.dispatch")
 
 
+class NoReport:
+    """Where the dispatcher reports the requests entering and leaving the engine (`RunReport` in the
+    worker: its group guard names them if the worker dies)."""
+
+    def started(self, job: Job) -> None:
+        pass
+
+    def ended(self, job: Job) -> None:
+        pass
+
+
 class Dispatcher:
     def __init__(self, scheduler: Scheduler, tracker, supervisor, liveness):
         self.scheduler, self.tracker, self.supervisor, self.liveness = scheduler, tracker, supervisor, liveness
@@ -35,6 +46,7 @@ class Dispatcher:
         self._live: dict[str, set[int]] = {}  # tenant -> its jobs waiting, running or suspended (quotas)
         self.wake = asyncio.Event()  # something to admit, or a slot freed
         self.steps_reported = False  # the engine reports its steps (`engine_step`); else outputs time them
+        self.runs = NoReport()
 
     def add(self, cls: str, job: Job) -> None:
         self._live.setdefault(job.tenant, set()).add(id(job))
@@ -91,6 +103,7 @@ class Dispatcher:
                 job.slot_released = False
                 task = self.spawn(self.runner.serve(job), cls, job.tp, job.offset, job=job)
                 self.engine_jobs[task] = job
+                self.runs.started(job)
             admitted = expired = job = task = None  # an idle worker holds no request while it waits
             self._suspend()
             for p in self.scheduler.policies:
@@ -149,6 +162,7 @@ class Dispatcher:
         job = self.engine_jobs.pop(task, None)
         if job is not None:
             self.release_slot(job)
+            self.runs.ended(job)
         if task.cancelled():
             return  # not answered: the record stays uncommitted and is read again
         exc = task.exception()

@@ -16,15 +16,25 @@ once; the survivors learn of it at their next heartbeat.
 
 It covers the worker process dying while the guard lives (a crash, SIGKILL, the OOM killer). A
 container or machine that goes away takes the guard with it; the session timeout still covers that.
+
+The worker also tells the guard each request it starts in the engine (`run {...}`: its claim token,
+id, tenant, class, topic, partition and offset) and each it ends there (`end <token>`). A guard whose
+worker died logs the requests it was running (`worker_died_running`): which readers saw a stream stop
+mid-way, to be continued by whoever the group gives the partition to. The worker's writes never
+wait for the guard: a guard that does not read (paused) has its backlog dropped and is told `reset`
+and what runs now once it reads again, so what it names is at worst what ran when it stopped reading.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 
@@ -35,15 +45,57 @@ from worker.settings import KafkaSettings
 
 STAND_DOWN = "stand-down"
 MEMBER = "member "
+RUN = "run "
+END = "end "
+RESET = "reset"
+# What the worker keeps for a guard that does not read before dropping it (and sending `reset` and the
+# requests running then): far more than a second of a busy worker's lines.
+MAX_PENDING_BYTES = 1 << 20
+RUNS_LOGGED = 1000  # a dying worker's report names at most this many requests
+
+
+class GuardState:
+    """What the worker has told its guard, a line at a time. Lines it cannot read (a half line cut
+    by a dropped backlog) are skipped."""
+
+    def __init__(self):
+        self.member = ""
+        self.stood_down = False
+        self.runs: dict[str, dict] = {}  # claim token -> the request it runs in the engine
+
+    def feed(self, line: str) -> None:
+        if line == STAND_DOWN:
+            self.stood_down = True
+            return
+        self.stood_down = False  # a stand-down only counts as the last word
+        if line.startswith(MEMBER):
+            self.member = line[len(MEMBER):]
+        elif line == RESET:
+            self.runs.clear()
+        elif line.startswith(END):
+            self.runs.pop(line[len(END):], None)
+        elif line.startswith(RUN):
+            try:
+                run = json.loads(line[len(RUN):])
+                self.runs[str(run["owner"])] = run
+            except (ValueError, KeyError, TypeError):
+                pass
+
+    def member_to_leave(self) -> str | None:
+        """The member id to take out of the group once the pipe has closed: the last one the worker
+        sent, unless it stood down (or never joined)."""
+        return None if self.stood_down or not self.member else self.member
+
+    def running(self) -> list[dict]:
+        """The requests the worker had in its engine when it died (none after a stand-down)."""
+        return [] if self.stood_down else list(self.runs.values())
 
 
 def member_to_leave(lines: list[str]) -> str | None:
-    """The member id to take out of the group once the pipe has closed: the last one the worker
-    sent, unless it stood down (or never joined)."""
-    if lines and lines[-1] == STAND_DOWN:
-        return None
-    members = [line[len(MEMBER):] for line in lines if line.startswith(MEMBER)]
-    return (members[-1] or None) if members else None
+    state = GuardState()
+    for line in lines:
+        state.feed(line)
+    return state.member_to_leave()
 
 
 async def leave_group(kafka_options: dict, group_id: str, member_id: str, timeout_s: float) -> int:
@@ -66,14 +118,18 @@ async def leave_group(kafka_options: dict, group_id: str, member_id: str, timeou
 class GroupGuard:
     """Started once the worker's consumer exists; `joined()` after each assignment; `close()` after
     the consumer has stopped (it left the group itself). A guard that dies while the worker runs
-    (the OOM killer, a stray `kill`) is started again by `revive()`, told the same settings and the
-    last member id."""
+    (the OOM killer, a stray `kill`) is started again by `revive()`, told the same settings, the
+    last member id and the requests running. `running()` and `ended()` as requests enter and leave the engine."""
 
     def __init__(self):
         self._proc: subprocess.Popen | None = None
         self._first = ""
         self._member = ""
         self._stderr = None
+        self._runs: dict[str, bytes] = {}  # claim token -> its `run` line, for a revived or reset guard
+        self._pending = bytearray()  # written as the pipe takes it, never waiting for the guard
+        self._lock = threading.Lock()  # `close` runs in a thread
+        self._flush_at: asyncio.TimerHandle | asyncio.Handle | None = None
 
     def start(self, kafka: KafkaSettings, group_id: str, timeout_s: float, stderr=None) -> None:
         """`stderr`: where the guard's one log line goes (the worker's own stderr by default)."""
@@ -84,18 +140,54 @@ class GroupGuard:
     def _spawn(self) -> None:
         self._proc = subprocess.Popen([sys.executable, "-m", "worker.group_guard"], stdin=subprocess.PIPE,
                                       stderr=self._stderr, start_new_session=True, close_fds=True)
-        self._send(self._first)
-        if self._member:
-            self._send(MEMBER + self._member)
+        fd = self._proc.stdin.fileno()
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)
+        with self._lock:
+            self._pending = bytearray(self._everything(self._first))
+        self._flush()
+
+    @property
+    def active(self) -> bool:
+        return self._proc is not None
 
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
+    def _everything(self, first: str = "") -> bytes:
+        """What a guard that has heard nothing (new, or whose backlog was dropped) needs to hear."""
+        lines = [first.encode() + b"\n"] if first else [b"\n", RESET.encode() + b"\n"]
+        if self._member:
+            lines.append(f"{MEMBER}{self._member}\n".encode())
+        return b"".join(lines + list(self._runs.values()))
+
     def joined(self, member_id: str) -> None:
         if member_id:
             self._member = member_id
             self._send(MEMBER + member_id)
+
+    def running(self, owner: str, run: dict) -> None:
+        """A request began running in the engine under claim token `owner` (`run` names it)."""
+        if self._proc is None or not owner:
+            return
+        line = RUN.encode() + json.dumps({**run, "owner": owner}, separators=(",", ":")).encode() + b"\n"
+        self._runs[owner] = line
+        self._queue(line)
+
+    def ended(self, owner: str) -> None:
+        """The request of claim token `owner` no longer runs in the engine (answered, suspended, aborted)."""
+        if self._runs.pop(owner, None) is not None and self._proc is not None:
+            self._queue(f"{END}{owner}\n".encode())
+
+    def _queue(self, line: bytes) -> None:
+        """Lines from the event loop go out together, once per turn of the loop."""
+        with self._lock:
+            self._pending += line
+        if self._flush_at is None:
+            try:
+                self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
+            except RuntimeError:  # no loop (a test, a thread): now
+                self._flush()
 
     def revive(self) -> int | None:
         """Start the guard again if it has died before `close()`; returns the new guard's pid."""
@@ -107,23 +199,60 @@ class GroupGuard:
         return self._proc.pid
 
     def _send(self, line: str) -> None:
-        if self._proc is None:
-            return
+        with self._lock:
+            self._pending += line.encode() + b"\n"
+        self._flush()
+
+    def _flush(self) -> None:
+        """Write what the pipe takes now. A guard that is not reading (paused) would fill the pipe, and
+        waiting for it would hold the worker's event loop, so nothing here waits: what the pipe does
+        not take waits here, is tried again shortly, and past MAX_PENDING_BYTES is replaced by `reset`
+        and the requests running then."""
+        self._flush_at = None
+        with self._lock:
+            if self._proc is None or not self._pending:
+                return
+            try:
+                del self._pending[:os.write(self._proc.stdin.fileno(), self._pending)]
+            except BlockingIOError:
+                pass
+            except (OSError, ValueError):  # the guard is gone: `revive()` starts another and tells it everything
+                self._pending.clear()
+                return
+            if len(self._pending) > MAX_PENDING_BYTES:
+                self._pending = bytearray(self._everything())
+            if not self._pending:
+                return
         try:
-            self._proc.stdin.write(line.encode() + b"\n")
-            self._proc.stdin.flush()
-        except OSError:  # the guard is gone: `revive()` starts another
+            self._flush_at = asyncio.get_running_loop().call_later(0.1, self._flush)
+        except RuntimeError:
             pass
 
     def close(self) -> None:
-        if self._proc is not None:
-            self._send(STAND_DOWN)
+        if self._proc is None:
+            return
+        with self._lock:
             proc, self._proc = self._proc, None
-            try:
-                proc.stdin.close()
-                proc.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                proc.kill()
+            self._pending.clear()  # moot once it stands down
+            self._runs.clear()
+        # a line break first ends any half line already written; a guard that does not read within
+        # 2 s (paused) is killed instead: this worker's consumer has left the group itself
+        rest = f"\n{STAND_DOWN}\n".encode()
+        deadline = time.monotonic() + 2
+        try:
+            fd = proc.stdin.fileno()
+            while rest:
+                try:
+                    rest = rest[os.write(fd, rest):]
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("the guard does not read") from None
+                    time.sleep(0.01)
+            proc.stdin.close()
+            proc.wait(timeout=10)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.wait()
 
 
 def _log(event: str, **fields) -> None:
@@ -141,19 +270,24 @@ def main() -> None:
     if not first:
         return
     config = msgspec.json.decode(first)
-    lines = [line.rstrip("\n") for line in sys.stdin]  # returns when the pipe closes
-    member_id = member_to_leave(lines)
-    if member_id is None:
-        return
-    started = time.monotonic()
-    kafka = msgspec.convert(config["kafka"], KafkaSettings)
-    try:
-        code = asyncio.run(leave_group(kafka.options(), config["group"], member_id, config["timeout_s"]))
-    except Exception as exc:  # noqa: BLE001 - the session timeout still takes the partitions away
-        _log("group_leave_failed", group=config["group"], member_id=member_id, error=repr(exc)[:300])
-        return
-    _log("group_left_for_dead_worker", group=config["group"], member_id=member_id, error_code=code,
-         seconds=round(time.monotonic() - started, 3))
+    state = GuardState()
+    for line in sys.stdin:  # ends when the pipe closes
+        state.feed(line.rstrip("\n"))
+    member_id = state.member_to_leave()
+    if member_id is not None:
+        started = time.monotonic()
+        kafka = msgspec.convert(config["kafka"], KafkaSettings)
+        try:
+            code = asyncio.run(leave_group(kafka.options(), config["group"], member_id, config["timeout_s"]))
+        except Exception as exc:  # noqa: BLE001 - the session timeout still takes the partitions away
+            _log("group_leave_failed", group=config["group"], member_id=member_id, error=repr(exc)[:300])
+        else:
+            _log("group_left_for_dead_worker", group=config["group"], member_id=member_id, error_code=code,
+                 seconds=round(time.monotonic() - started, 3))
+    runs = state.running()
+    if runs:
+        _log("worker_died_running", group=config["group"], requests=len(runs), running=runs[:RUNS_LOGGED],
+             note="these requests stopped mid-way; whoever the group gives their partitions to continues them")
 
 
 if __name__ == "__main__":

@@ -115,6 +115,24 @@ def answer_store(settings: Settings) -> AnswerStore:
                        client_options=settings.redis.client_options())
 
 
+class RunReport:
+    """Tells the group guard each claimed request that enters and leaves the engine, so that a dead
+    worker's guard can name them (worker/group_guard.py)."""
+
+    def __init__(self, guard: GroupGuard):
+        self.guard = guard
+
+    def started(self, job) -> None:
+        if job.owner and self.guard.active:
+            self.guard.running(job.owner, {"id": job.request.id, "tenant": job.tenant, "cls": job.latency_class,
+                                           "topic": getattr(job.tp, "topic", None),
+                                           "partition": getattr(job.tp, "partition", None), "offset": job.offset})
+
+    def ended(self, job) -> None:
+        if job.owner:
+            self.guard.ended(job.owner)
+
+
 class GroupJoinTimeout(Exception):
     """The worker's first group join did not complete within SLUICE_GROUP_JOIN_S."""
 
@@ -181,6 +199,7 @@ class Worker:
             if t.slo_ms is not None:
                 metrics.class_slo.labels(t.latency_class).set(t.slo_ms / 1000)
         self.group_guard = GroupGuard()  # started with a real consumer (worker/group_guard.py)
+        self.dispatch.runs = RunReport(self.group_guard)
         self._started = False
         self._joining: asyncio.Future | None = None  # the consumer's start: the group join (`begin_join`)
         self._alone_watch: asyncio.Task | None = None  # `join_when_alone`

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -141,3 +142,44 @@ async def test_under_the_images_init_a_killed_worker_still_leaves_its_group(sett
     assert _guard_lines(worker_log), worker_log[-2000:]
     assert took < SESSION_MS / 1000, took
     assert rc == 128 + signal.SIGKILL  # the worker's status, as a shell would report it
+
+
+async def test_a_killed_worker_s_guard_names_the_requests_it_was_running(settings, catalog, tmp_path):
+    """Streams in the engine when the worker is SIGKILLed: its guard's `worker_died_running` names each
+    one, with the record it came from, and none of the survivor's partitions."""
+    from aiokafka import AIOKafkaProducer
+
+    proc, survivor, partitions = await _worker_and_survivor(settings, catalog, tmp_path, SLUICE_FAKE_TOKEN_MS="100")
+    topic = catalog.request_topic("standard").name
+    sent: dict[int, tuple[str, int]] = {}  # partition -> (request id, offset)
+    try:
+        theirs = {tp.partition for tp in survivor.assignment()}
+        producer = AIOKafkaProducer(**settings.kafka.options())
+        await producer.start()
+        try:
+            for partition in range(partitions):
+                rid = f"named-{partition}-{uuid.uuid4().hex[:6]}"
+                meta = await producer.send_and_wait(topic, json.dumps(
+                    {"id": rid, "prompt": "hello", "max_tokens": 400, "stream": True}).encode(), partition=partition)
+                sent[partition] = (rid, meta.offset)
+        finally:
+            await producer.stop()
+        await asyncio.sleep(4)  # the worker reads them and streams (400 tokens at 100 ms each: 40 s)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        end = asyncio.get_running_loop().time() + 20
+        while '"worker_died_running"' not in (tmp_path / "worker.log").read_text():
+            assert asyncio.get_running_loop().time() < end, (tmp_path / "worker.log").read_text()[-2000:]
+            await survivor.getmany(timeout_ms=100)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        await survivor.stop()
+    worker_log = (tmp_path / "worker.log").read_text()
+    died = [json.loads(line) for line in worker_log.splitlines() if '"worker_died_running"' in line]
+    assert len(died) == 1, worker_log[-2000:]
+    named = {(run["id"], run["topic"], run["partition"], run["offset"]) for run in died[0]["running"]}
+    mine = {(rid, topic, p, offset) for p, (rid, offset) in sent.items() if p not in theirs}
+    assert mine and named == mine, (named, mine, theirs)
+    assert all(run["owner"] and run["tenant"] == "default" and run["cls"] == "standard" for run in died[0]["running"])
