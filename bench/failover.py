@@ -13,10 +13,11 @@ its token records have arrived (2 by default: just after the prefill), SIGKILLs 
 owns it (its whole process group: no drain, no commit), counts the pair's pages in Redis at that
 moment, and times, on the client's clock:
   detect     kill -> the survivor's `partitions_assigned` (the group noticed: session timeout,
-             rebalance)
+             rebalance); with `--handoff on`, kill -> the survivor's `handoff_adopted` (the dead
+             worker's guard handed the request over through Redis, before the rebalance)
   resent     kill -> the first record of the resumed stream (the survivor re-sends the records
              stored before the kill, before it computes anything)
-  resume     assignment -> the first token generated after the kill (progress lookup, pages
+  resume     detect -> the first token generated after the kill (progress lookup, pages
              loaded or prefix recomputed, one decode step)
   first      kill -> first token generated after the kill (detect + resume)
   done       kill -> the `done` record
@@ -78,7 +79,8 @@ class Pair:
                     **({"SLUICE_GROUP_SESSION_TIMEOUT_MS": str(args.session_timeout_ms)}
                        if args.session_timeout_ms else {}),
                     **({"SLUICE_GROUP_HEARTBEAT_INTERVAL_MS": str(args.heartbeat_ms)} if args.heartbeat_ms else {}),
-                    "SLUICE_GROUP_LEAVE_ON_DEATH": str(args.leave_on_death == "on").lower()}
+                    "SLUICE_GROUP_LEAVE_ON_DEATH": str(args.leave_on_death == "on").lower(),
+                    "SLUICE_GROUP_HANDOFF": str(args.handoff == "on").lower()}
         self.key_prefix = self.env["SLUICE_REDIS_KEY_PREFIX"]
         self.procs: dict[str, tuple[subprocess.Popen, int, Path]] = {}
         self.starts = 0
@@ -138,6 +140,14 @@ def assignments(log: Path) -> list[float]:
 def assigned_after(log: Path, t_kill: float) -> float | None:
     """Wall-clock time of the first `partitions_assigned` the survivor logged after the kill."""
     return min((ts for ts in assignments(log) if ts > t_kill), default=None)
+
+
+def adopted_at(log: Path, request_id: str) -> float | None:
+    """Wall-clock time the survivor adopted the request from the dead worker's handoff (SLUICE_GROUP_HANDOFF)."""
+    for line in log.read_text(errors="replace").splitlines():
+        if '"handoff_adopted"' in line and request_id in line:
+            return datetime.fromisoformat(json.loads(line)["timestamp"].replace("Z", "+00:00")).timestamp()
+    return None
 
 
 def resumed_at_seq(log: Path, request_id: str) -> int | None:
@@ -218,12 +228,18 @@ async def one_failover(pair: Pair, rep: int, prompt: str, redis) -> dict:
     next_seq = resumed_at_seq(pair.procs[survivor][2], rid)
     if next_seq is None:
         raise SystemExit(f"{pair.mode}: the survivor logged no request_resumed for {rid}")
-    t_resent = min((t for t, seq in arrivals if seq < next_seq and t > (t_assigned or t_kill)), default=None)
+    # With the handoff the survivor takes the request when it adopts it, before the rebalance assigns it
+    t_adopted = adopted_at(pair.procs[survivor][2], rid)
+    if pair.args.handoff == "on" and t_adopted is None:
+        raise SystemExit(f"{pair.mode}: the handoff is on and the survivor did not adopt {rid}")
+    t_taken = t_adopted or t_assigned
+    t_resent = min((t for t, seq in arrivals if seq < next_seq and t > (t_taken or t_kill)), default=None)
     t_first = min((t for t, seq in arrivals if seq >= next_seq), default=None)
     if t_first is None or t_resent is None:
         raise SystemExit(f"{pair.mode}: after the kill: re-sent {t_resent}, new tokens {t_first}")
-    return {"seq_at_kill": seq_at_kill, "detect_s": (t_assigned - t_kill) if t_assigned else None,
-            "resume_s": (t_first - t_assigned) if t_assigned else None, "first_s": t_first - t_kill,
+    return {"seq_at_kill": seq_at_kill, "detect_s": (t_taken - t_kill) if t_taken else None,
+            "assigned_s": (t_assigned - t_kill) if t_assigned else None, "handed_over": t_adopted is not None,
+            "resume_s": (t_first - t_taken) if t_taken else None, "first_s": t_first - t_kill,
             "resent_s": t_resent - t_kill,
             "done_s": t_done - t_kill, "tokens": sum(map(len, tokens.values())),
             "rebalances_before_kill": unforced, "survivor_assignments_after_kill": survivor_assigned,
@@ -279,6 +295,7 @@ async def main(args) -> None:
     print(f"\nSIGKILL after {args.kill_after_tokens} token records, ~{args.prompt_tokens}-token prompt, "
           f"{args.max_tokens} tokens, session timeout "
           f"{group.session_timeout_ms} ms, heartbeat {group.heartbeat_ms()} ms, group guard {args.leave_on_death}, "
+          f"handoff {args.handoff}, "
           f"compile mode {args.compile_mode}, "
           f"page save budget {f'{args.budget_mib_s:g} MiB/s, {args.burst_s:g} s burst' if args.budget_mib_s else 'none'}, "
           f"{args.reps} repetitions alternating; {common.machine()}; {common.today()}; rev {common.git_rev()}")
@@ -290,7 +307,7 @@ async def main(args) -> None:
         print(f"{m:10s}" + "".join(f"{v['median']:>10.2f} [{v['min']:.2f}-{v['max']:.2f}]".rjust(24)
                                    for v in row.values()))
     print(f"kill -> first resumed token, pages / recompute: {ratio['median']:.3f} [{ratio['min']:.3f}-{ratio['max']:.3f}]")
-    print(f"assignment -> first resumed token, pages / recompute: {resume_ratio['median']:.3f} "
+    print(f"detect -> first resumed token, pages / recompute: {resume_ratio['median']:.3f} "
           f"[{resume_ratio['min']:.3f}-{resume_ratio['max']:.3f}]")
     for m, rs in runs.items():
         print(f"{m}: pages stored at the kill " + ", ".join(str(r["pages_at_kill"]) for r in rs)
@@ -324,6 +341,9 @@ def parser() -> argparse.ArgumentParser:
                         "1 s or a third of the session timeout when that is shorter)")
     p.add_argument("--leave-on-death", choices=["on", "off"], default="on",
                    help="SLUICE_GROUP_LEAVE_ON_DEATH: the killed worker's guard takes it out of the group at once")
+    p.add_argument("--handoff", choices=["on", "off"], default="off",
+                   help="SLUICE_GROUP_HANDOFF: the killed worker's guard hands its running requests to the survivor "
+                        "through Redis; detect is then kill -> the survivor's adoption, not its assignment")
     p.add_argument("--prompt-tokens", type=int, default=1500)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--kill-after-tokens", type=int, default=2,

@@ -110,6 +110,18 @@ if ARGV[3] == '1' then progress = redis.call('HGETALL', KEYS[2]) end
 if ARGV[1] ~= '' then redis.call('SET', KEYS[3], ARGV[1], 'EX', ARGV[2]) end
 return {0, progress}
 """)
+# Handoff (worker/handoff.py): KEYS as intake's; ARGV[1] the dead run's token, ARGV[2] the adopting run's,
+# ARGV[3] the claim's TTL, ARGV[4] '1' to read the progress. Claimed only from the dead run: {0, progress};
+# {1} when answered, {2} when another run holds (or lost) the claim. So one survivor adopts a request.
+_ADOPT = Script("""
+if redis.call('EXISTS', KEYS[1]) == 1 then return {1} end
+if redis.call('GET', KEYS[3]) ~= ARGV[1] then return {2} end
+redis.call('SET', KEYS[3], ARGV[2], 'EX', ARGV[3])
+local progress = {}
+if ARGV[4] == '1' then progress = redis.call('HGETALL', KEYS[2]) end
+return {0, progress}
+""")
+ADOPTED, ANSWERED, TAKEN = 0, 1, 2
 # Answer: KEYS[2] the answer, KEYS[3] the progress (removed with the claim); ARGV[2] the answer, ARGV[3] its TTL.
 # A lost claim (gone, no answer stored) is stored over as above (returns 2).
 _ANSWER_IF_OWNER = Script("""
@@ -352,6 +364,22 @@ class AnswerStore:
         if refused:
             await self._claim_refused(refused, request_ids, streamed, claiming, out)
         return out
+
+    async def adopt(self, request_id: str, streamed: bool, dead_owner: str, owner: str
+                    ) -> tuple[int | None, Progress | None]:
+        """Claim `request_id` for `owner` only while the dead run `dead_owner` holds it: (ADOPTED, its
+        progress), (ANSWERED, None), (TAKEN, None); (None, None) when Redis did not answer."""
+        found = await self._call(lambda c: run_scripts(c, [
+            (_ADOPT, [self.key(request_id), self.progress_key(request_id), self.owner_key(request_id)],
+             [dead_owner, owner, self.progress_ttl_s, "1" if streamed else "0"])]))
+        if found is None:
+            return None, None
+        status = int(found[0][0])
+        if status != ADOPTED:
+            return status, None
+        value = found[0][1]
+        progress = dict(zip(value[::2], value[1::2]))
+        return ADOPTED, Progress.from_hash(progress, self._unsealer(request_id)) if streamed else None
 
     async def _claim_refused(self, refused: list[int], request_ids, streamed, owners, out) -> None:
         """Ids whose stored answer was refused run again: read their progress and claim them, as the

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 import structlog
 
@@ -22,6 +23,14 @@ from worker.replies import Fenced
 from worker.runner import Job, Suspended
 
 log = structlog.get_logger("sluice.dispatch")
+
+
+@dataclass(frozen=True)
+class HandedOver:
+    """What a handed-over job's task is filed under instead of a partition: no revoke here aborts it,
+    and it finishes no offset (worker/handoff.py)."""
+
+    state_id: str
 
 
 class NoReport:
@@ -47,10 +56,39 @@ class Dispatcher:
         self.wake = asyncio.Event()  # something to admit, or a slot freed
         self.steps_reported = False  # the engine reports its steps (`engine_step`); else outputs time them
         self.runs = NoReport()
+        self.handed_over: dict[str, Job] = {}  # by state id: jobs a dead worker's guard handed here
 
     def add(self, cls: str, job: Job) -> None:
         self._live.setdefault(job.tenant, set()).add(id(job))
         self.scheduler.add(cls, job, job.arrived_ms, job.request.deadline_ms)
+
+    def add_handed_over(self, job: Job) -> None:
+        """A dead worker's request, claimed here before the group moved its partition: it waits and runs
+        as any other, but finishes no offset until its record is read here (`land`)."""
+        job.handed_over = True
+        self.handed_over[job.state_id] = job
+        self.add(job.latency_class, job)
+        self.wake.set()
+
+    def land(self, job: Job) -> bool:
+        """`job` was read from a partition assigned here: if its request was handed over and runs here
+        already (the same record), that run is now the record's, and True (nothing else to do for it)."""
+        running = self.handed_over.get(job.state_id)
+        if running is None or (running.tp, running.offset) != (job.tp, job.offset):
+            return False
+        del self.handed_over[job.state_id]
+        running.handed_over = False
+        for task, key in list(self.tasks.items()):
+            if key == HandedOver(running.state_id):
+                self.tasks[task] = job.tp  # a revoke of the partition now aborts it, as any other
+        metrics.handoff.labels("landed").inc()
+        log.info("handoff_landed", request_id=job.request.id, partition=job.tp.partition, offset=job.offset)
+        return True
+
+    @staticmethod
+    def _key(job: Job):
+        """What a job's task is filed under: its partition, or `HandedOver` until it lands."""
+        return HandedOver(job.state_id) if job.handed_over else job.tp
 
     def tenant_in_flight(self, tenant: str) -> int:
         return len(self._live.get(tenant, ()))
@@ -98,10 +136,10 @@ class Dispatcher:
             if admitted:
                 self.liveness.engine_moved()  # admission is progress too: the stall clock restarts
             for cls, job in expired:
-                self.spawn(self.runner.expire(job), cls, job.tp, job.offset, job=job)
+                self.spawn(self.runner.expire(job), cls, self._key(job), job.offset, job=job)
             for cls, job in admitted:
                 job.slot_released = False
-                task = self.spawn(self.runner.serve(job), cls, job.tp, job.offset, job=job)
+                task = self.spawn(self.runner.serve(job), cls, self._key(job), job.offset, job=job)
                 self.engine_jobs[task] = job
                 self.runs.started(job)
             admitted = expired = job = task = None  # an idle worker holds no request while it waits
@@ -138,10 +176,17 @@ class Dispatcher:
 
     def drop(self, partitions: set) -> list:
         """Waiting jobs of revoked partitions: never started, the new owner reads them again."""
-        dropped = self.scheduler.remove(lambda job: job.tp in partitions)
+        dropped = self.scheduler.remove(lambda job: job.tp in partitions and not job.handed_over)
         for job in dropped:
             self._forget(job)
         return dropped
+
+    def _still_ours(self, key) -> bool:
+        return isinstance(key, HandedOver) or key in self.tracker.partitions()  # handed over: ours until it ends
+
+    def _finish_offset(self, key, offset: int) -> None:
+        if not isinstance(key, HandedOver):  # a handed-over job that never landed owns no offset here
+            self.tracker.finish(key, offset)
 
     def reject_done(self) -> None:
         self.rejects -= 1
@@ -154,8 +199,12 @@ class Dispatcher:
 
     def _finished(self, task: asyncio.Task, cls: str, tp, offset: int, on_done, live_job: Job | None = None) -> None:
         self.tasks.pop(task, None)
-        if live_job is not None and not (not task.cancelled() and isinstance(task.exception(), Suspended)
-                                         and tp in self.tracker.partitions()):
+        suspended = not task.cancelled() and isinstance(task.exception(), Suspended)
+        if live_job is not None:
+            tp = self._key(live_job)  # a handed-over job may have landed meanwhile
+            if live_job.handed_over and not suspended and self.handed_over.get(live_job.state_id) is live_job:
+                del self.handed_over[live_job.state_id]
+        if live_job is not None and not (suspended and self._still_ours(tp)):
             self._forget(live_job)  # answered, failed or given up: no longer counts against its tenant
         if on_done is not None:
             on_done()
@@ -170,7 +219,7 @@ class Dispatcher:
             if job is not None:  # answered: its latency steers the caps of the classes below (admission "slo")
                 now_ms = int(time.time() * 1000)
                 self.scheduler.observe(cls, now_ms - job.arrived_ms, now_ms)
-            self.tracker.finish(tp, offset)
+            self._finish_offset(tp, offset)
             return
         if isinstance(exc, Fenced):
             # A later run holds the request's claim and answers its id: this run sent nothing more,
@@ -179,10 +228,10 @@ class Dispatcher:
             metrics.fenced.inc()
             log.warning("attempt_fenced", request_id=exc.job.request.id, partition=getattr(tp, "partition", None),
                         offset=offset)
-            self.tracker.finish(tp, offset)
+            self._finish_offset(tp, offset)
             return
         if isinstance(exc, Suspended):
-            if tp in self.tracker.partitions():  # still ours: wait for a slot again
+            if self._still_ours(tp):  # wait for a slot again
                 self.add(cls, exc.job)
             return
         if isinstance(exc, EngineDead):

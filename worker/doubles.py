@@ -336,6 +336,21 @@ class MemoryAnswers:
                 self.owners[rid] = owners[i]
         return out
 
+    async def adopt(self, request_id, streamed, dead_owner, owner):
+        """As AnswerStore.adopt: claimed only from the dead run."""
+        from worker.answers import ADOPTED, ANSWERED, TAKEN
+
+        if not self.available:
+            return None, None
+        if request_id in self.answers:
+            return ANSWERED, None
+        if self.owners.get(request_id) != dead_owner:
+            return TAKEN, None
+        self.owners[request_id] = owner
+        chunks = self.progress.get(request_id) if streamed else None
+        return ADOPTED, (Progress([c for _, c in sorted(chunks.items())], None, self.tokenizers.get(request_id))
+                         if chunks else None)
+
     def _fenced(self, request_id: str, owner: str) -> bool:
         """Another attempt holds the claim, or the claim is gone because an answer was stored."""
         holder = self.owners.get(request_id)

@@ -20,7 +20,9 @@ container or machine that goes away takes the guard with it; the session timeout
 The worker also tells the guard each request it starts in the engine (`run {...}`: its claim token,
 id, tenant, class, topic, partition and offset) and each it ends there (`end <token>`). A guard whose
 worker died logs the requests it was running (`worker_died_running`): which readers saw a stream stop
-mid-way, to be continued by whoever the group gives the partition to. The worker's writes never
+mid-way, to be continued by whoever the group gives the partition to. With the handoff on
+(SLUICE_GROUP_HANDOFF, worker/handoff.py) the guard also adds them to the group's handoff stream in
+Redis, and a surviving worker continues each of them at once, before the rebalance. The worker's writes never
 wait for the guard: a guard that does not read (paused) has its backlog dropped and is told `reset`
 and what runs now once it reads again, so what it names is at worst what ran when it stopped reading.
 """
@@ -52,6 +54,7 @@ RESET = "reset"
 # requests running then): far more than a second of a busy worker's lines.
 MAX_PENDING_BYTES = 1 << 20
 RUNS_LOGGED = 1000  # a dying worker's report names at most this many requests
+HANDOFF_KEEP = 1000  # entries a group's handoff stream keeps (about that many deaths)
 
 
 class GuardState:
@@ -131,9 +134,12 @@ class GroupGuard:
         self._lock = threading.Lock()  # `close` runs in a thread
         self._flush_at: asyncio.TimerHandle | asyncio.Handle | None = None
 
-    def start(self, kafka: KafkaSettings, group_id: str, timeout_s: float, stderr=None) -> None:
-        """`stderr`: where the guard's one log line goes (the worker's own stderr by default)."""
-        self._first = msgspec.json.encode({"kafka": kafka, "group": group_id, "timeout_s": timeout_s}).decode()
+    def start(self, kafka: KafkaSettings, group_id: str, timeout_s: float, stderr=None, handoff=None) -> None:
+        """`stderr`: where the guard's log lines go (the worker's own stderr by default). `handoff`:
+        (RedisSettings, stream key) where a dead worker's running requests are handed over, or None."""
+        self._first = msgspec.json.encode({"kafka": kafka, "group": group_id, "timeout_s": timeout_s,
+                                           "handoff": {"redis": handoff[0], "key": handoff[1]} if handoff else None,
+                                           }).decode()
         self._stderr = stderr
         self._spawn()
 
@@ -255,6 +261,53 @@ class GroupGuard:
             proc.wait()
 
 
+async def hand_over(redis_settings, key: str, runs: list[dict], timeout_s: float) -> str:
+    """Add a dead worker's running requests to its group's handoff stream; returns the entry's id."""
+    from worker.redis_client import cluster_client
+
+    client = cluster_client(redis_settings, timeout_s)
+    try:
+        async with asyncio.timeout(timeout_s * 2):
+            await client.initialize()
+            entry = await client.xadd(key, {"runs": json.dumps(runs[:RUNS_LOGGED]), "at": repr(time.time())},
+                                      maxlen=HANDOFF_KEEP, approximate=True)
+        return entry.decode() if isinstance(entry, bytes) else str(entry)
+    finally:
+        await client.aclose()
+
+
+async def after_death(config: dict, member_id: str | None, runs: list[dict]) -> None:
+    """The dead worker's member out of its group and its running requests handed over, both at once."""
+    started = time.monotonic()
+
+    async def leave():
+        kafka = msgspec.convert(config["kafka"], KafkaSettings)
+        try:
+            code = await leave_group(kafka.options(), config["group"], member_id, config["timeout_s"])
+        except Exception as exc:  # noqa: BLE001 - the session timeout still takes the partitions away
+            _log("group_leave_failed", group=config["group"], member_id=member_id, error=repr(exc)[:300])
+        else:
+            _log("group_left_for_dead_worker", group=config["group"], member_id=member_id, error_code=code,
+                 seconds=round(time.monotonic() - started, 3))
+
+    async def hand():
+        from worker.settings import RedisSettings
+
+        handoff = config["handoff"]
+        try:
+            entry = await hand_over(msgspec.convert(handoff["redis"], RedisSettings), handoff["key"], runs,
+                                    config["timeout_s"])
+        except Exception as exc:  # noqa: BLE001 - the group's rebalance still moves them
+            _log("handoff_failed", group=config["group"], requests=len(runs), error=repr(exc)[:300])
+        else:
+            _log("handed_over", group=config["group"], requests=len(runs), entry=entry,
+                 seconds=round(time.monotonic() - started, 3))
+
+    steps = ([leave()] if member_id is not None else []) + ([hand()] if runs and config.get("handoff") else [])
+    if steps:
+        await asyncio.gather(*steps)
+
+
 def _log(event: str, **fields) -> None:
     """One JSON line on stderr, like the worker's own log lines."""
     stamp = datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
@@ -270,21 +323,13 @@ def main() -> None:
     if not first:
         return
     config = msgspec.json.decode(first)
+    if config.get("handoff"):
+        import redis.asyncio.cluster  # noqa: F401 - likewise for the handoff
     state = GuardState()
     for line in sys.stdin:  # ends when the pipe closes
         state.feed(line.rstrip("\n"))
-    member_id = state.member_to_leave()
-    if member_id is not None:
-        started = time.monotonic()
-        kafka = msgspec.convert(config["kafka"], KafkaSettings)
-        try:
-            code = asyncio.run(leave_group(kafka.options(), config["group"], member_id, config["timeout_s"]))
-        except Exception as exc:  # noqa: BLE001 - the session timeout still takes the partitions away
-            _log("group_leave_failed", group=config["group"], member_id=member_id, error=repr(exc)[:300])
-        else:
-            _log("group_left_for_dead_worker", group=config["group"], member_id=member_id, error_code=code,
-                 seconds=round(time.monotonic() - started, 3))
     runs = state.running()
+    asyncio.run(after_death(config, state.member_to_leave(), runs))
     if runs:
         _log("worker_died_running", group=config["group"], requests=len(runs), running=runs[:RUNS_LOGGED],
              note="these requests stopped mid-way; whoever the group gives their partitions to continues them")

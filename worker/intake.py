@@ -221,16 +221,7 @@ class Intake:
             if isinstance(record, RecordRef):
                 self.dispatcher.spawn(self.replies.unreadable(cls, record), cls, tp, record.offset)
                 return None
-            request = self.codec.decode(record.value, record.headers, record.key)
-            tenant = self.tenancy.tenant_of(record, request, topic)
-            refused = self.tenancy.reply_to_refused(tenant, request.reply_to)
-            if refused is not None:  # answered on the default reply topic, never on the refused one
-                raise BadRequest(ErrorCode.INVALID_REQUEST, refused, request.id, tenant=tenant)
-            arrived, believed = arrival_ms(record.timestamp, int(time.time() * 1000), topic.retention_ms)
-            if not believed:
-                metrics.untrusted_timestamps.labels(cls).inc()
-            return Job(request, cls, topic.priority, request.reply_to or self.default_reply_topic,
-                       tp, record.offset, record.timestamp, tenant=tenant, arrived_ms=arrived)
+            return self.job_of(topic, tp, record)
         except Unauthenticated as exc:
             # No reply: the address in an unauthenticated record is not trusted. The DLQ keeps the bytes.
             metrics.unauthenticated.labels(cls).inc()
@@ -243,6 +234,24 @@ class Intake:
             metrics.intake_errors.labels(cls, "record").inc()
             self._reject(cls, tp, record, self._internal(record, exc))
         return None
+
+    def job_of(self, topic: Topic, tp, record) -> Job:
+        """The record as a job: decoded, its tenant authenticated. Raises `BadRequest` or
+        `Unauthenticated` for a record that cannot run (and anything a hostile record provokes)."""
+        request = self.codec.decode(record.value, record.headers, record.key)
+        tenant = self.tenancy.tenant_of(record, request, topic)
+        refused = self.tenancy.reply_to_refused(tenant, request.reply_to)
+        if refused is not None:  # answered on the default reply topic, never on the refused one
+            raise BadRequest(ErrorCode.INVALID_REQUEST, refused, request.id, tenant=tenant)
+        arrived, believed = arrival_ms(record.timestamp, int(time.time() * 1000), topic.retention_ms)
+        if not believed:
+            metrics.untrusted_timestamps.labels(topic.latency_class).inc()
+        return Job(request, topic.latency_class, topic.priority, request.reply_to or self.default_reply_topic,
+                   tp, record.offset, record.timestamp, tenant=tenant, arrived_ms=arrived)
+
+    def new_owner(self) -> str:
+        """A new attempt token: unique per run of a request, across processes and restarts."""
+        return f"{self.owner_id}#{next(self._attempts)}"
 
     def _internal(self, record, exc: BaseException) -> BadRequest:
         message = f"internal error reading the record: {type(exc).__name__}"
@@ -258,8 +267,11 @@ class Intake:
 
     async def _schedule(self, cls: str, jobs: list[Job], generations: dict, loop: str | None = None) -> None:
         """Stored answers are re-sent; progress left by a dead owner rides along; the rest wait for admission."""
+        jobs = [job for job in jobs if not self.dispatcher.land(job)]  # already running here, handed over
         jobs = await self._refuse_unusable_reply_topics(cls, jobs)
-        owners = [f"{self.owner_id}#{next(self._attempts)}" for _ in jobs]
+        if not jobs:
+            return
+        owners = [self.new_owner() for _ in jobs]
         ids, streamed = [job.state_id for job in jobs], [job.request.stream for job in jobs]
         stored = await self.answers.lookup_many(ids, streamed, owners)
         # Redis unavailable: wait a while (a master failover takes seconds) rather than run records that

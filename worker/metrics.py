@@ -206,6 +206,12 @@ fenced = Counter("sluice_attempts_fenced_total",
 claims_retaken = Counter("sluice_claims_retaken_total",
                          "A run found its request's claim gone with no answer stored (lost in a Redis failover or "
                          "restart) and took it again instead of counting itself fenced", registry=REGISTRY)
+handoff = Counter("sluice_handoff_total",
+                  "Requests a dead worker's guard handed over (SLUICE_GROUP_HANDOFF), by what this worker did: "
+                  "adopted (claimed from the dead run and continued here), answered (it had an answer already), "
+                  "taken (another run holds its claim), failed (its record could not be read or run here), "
+                  "landed (its partition came here while it ran, and the run became the record's)",
+                  ["outcome"], registry=REGISTRY)
 
 
 def tenant_label(tenant: str) -> str:

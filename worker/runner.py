@@ -63,6 +63,9 @@ class Job:
     tenant: str = "default"  # the authenticated tenant (worker/tenancy.py), never the record's say-so
     owner: str = ""  # the attempt token this job claimed in Redis ("" when the claim could not be made)
     checked: bool = True  # False: run without the stored answer and progress (Redis unavailable at intake)
+    # handed over from a dead worker (worker/handoff.py) before its partition came here: no offset of
+    # this worker's is its, until the record is read here and the job lands (`Dispatcher.land`)
+    handed_over: bool = False
     resumed: bool = False
     suspend: asyncio.Event = field(default_factory=asyncio.Event)
     slot_released: bool = True  # set False while the job holds an engine slot

@@ -97,6 +97,9 @@ class GroupSettings(_Section):
     # A worker process that dies (SIGKILL, the OOM killer, a crash) is taken out of the group at once by
     # its guard process (worker/group_guard.py) instead of holding its partitions for the session timeout.
     leave_on_death: bool = True
+    # ... and hands the requests it was running to a surviving worker through the group's handoff
+    # stream in Redis, which continues them before the rebalance (worker/handoff.py). Needs leave_on_death.
+    handoff: bool = False
     # A worker whose group has no live member joins it while its engine loads, so that the coordinator's
     # hold on a new group's join passes meanwhile; one whose group has members joins once loaded
     # (worker/early_join.py).

@@ -35,6 +35,7 @@ from worker.emitter import Emitter, kafka_producer
 from worker.engine import Engine
 from worker.fetch_watch import FetchWatch, answer_marks
 from worker.group_guard import GroupGuard, leave_group
+from worker.handoff import Handoff, handoff_key
 from worker.intake import Intake, loop_name
 from worker.logs import partition_name
 from worker.offsets import OffsetTracker
@@ -200,6 +201,8 @@ class Worker:
                 metrics.class_slo.labels(t.latency_class).set(t.slo_ms / 1000)
         self.group_guard = GroupGuard()  # started with a real consumer (worker/group_guard.py)
         self.dispatch.runs = RunReport(self.group_guard)
+        self.handoff = (Handoff(settings, self._topics, self.intake, self.dispatch, self.answers)
+                        if settings.group.handoff and settings.group.leave_on_death else None)
         self._started = False
         self._joining: asyncio.Future | None = None  # the consumer's start: the group join (`begin_join`)
         self._alone_watch: asyncio.Task | None = None  # `join_when_alone`
@@ -242,7 +245,9 @@ class Worker:
         s = self.settings
         self.consumer.subscribe(list(self._topics), listener=_Rebalance(self))
         if s.group.leave_on_death and hasattr(self.consumer, "_coordinator"):  # aiokafka's, not a test double
-            self.group_guard.start(s.kafka, s.group.id, timeout_s=s.kafka.request_timeout_ms / 1000)
+            self.group_guard.start(s.kafka, s.group.id, timeout_s=s.kafka.request_timeout_ms / 1000,
+                                   handoff=(s.redis, handoff_key(s.redis.key_prefix, s.group.id))
+                                   if self.handoff is not None else None)
         self.liveness.group_left()
         # returns once the group has assigned this worker its partitions
         self._joining = asyncio.ensure_future(self.consumer.start())
@@ -338,6 +343,8 @@ class Worker:
                                      fetches=self.fetches, fetch_outage_s=s.health.fetch_outage_s))
         guards = [g for g in (self.group_guard, getattr(self.engine, "guard", None)) if g is not None]
         sup.spawn("guard-watch", watch_guards(sup, guards))
+        if self.handoff is not None and self.group_guard.active:
+            sup.spawn("handoff", self.handoff.run())
         sup.spawn("topic-watch", watch_topics(sup, self.emitter.own_topics_unusable,
                                               [t.name for t in self.catalog.topic], s.health.topic_check_interval_s,
                                               liveness=self.liveness))

@@ -106,13 +106,13 @@ async def test_the_request_consumer_reports_a_position_the_broker_no_longer_hold
 
 def test_every_reader_of_the_worker_reports_a_position_out_of_range():
     """Every consumer the worker package builds (the request consumer, the backfill's source reader and
-    output probe, the dead-letter listing) runs with `auto_offset_reset="none"`: aiokafka's `latest`
-    jumps to a partition's end and `earliest` to its first record left, without a word, when
-    retention passed the position. Each handles the error itself (worker/read_position.py,
-    worker/backfill.py, worker/dead_letters.py)."""
+    output probe, the dead-letter listing, the handoff's record reader) runs with `auto_offset_reset="none"`:
+    aiokafka's `latest` jumps to a partition's end and `earliest` to its first record left, without a
+    word, when retention passed the position. Each handles the error itself (worker/read_position.py,
+    worker/backfill.py, worker/dead_letters.py; worker/handoff.py leaves the request to the rebalance)."""
     readers = [(where, call) for where, call in client_calls()
                if where.startswith("worker/") and getattr(call.func, "id", "") == "AIOKafkaConsumer"]
-    assert len(readers) == 4  # the scan finds them all
+    assert len(readers) == 5  # the scan finds them all
     for where, call in readers:
         reset = [k.value.value for k in call.keywords if k.arg == "auto_offset_reset"]
         assert reset == ["none"], where
