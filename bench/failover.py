@@ -314,9 +314,11 @@ async def main(args) -> None:
               + "; the resumed prefix's tokens loaded from Redis / computed "
               + ", ".join(f"{r['resume_prefill_tokens']['redis']}/{r['resume_prefill_tokens']['computed']}" for r in rs))
     unforced = sum(r["rebalances_before_kill"] for rs in runs.values() for r in rs)
-    extra = sum(r["survivor_assignments_after_kill"] - 1 for rs in runs.values() for r in rs)
+    extra = sum(max(0, r["survivor_assignments_after_kill"] - 1) for rs in runs.values() for r in rs)
+    # handed over, a request can be answered before the rebalance that assigns its partition
+    early = sum(r["survivor_assignments_after_kill"] == 0 for rs in runs.values() for r in rs)
     print(f"rebalances while both workers lived (a live worker evicted): {unforced}; "
-          f"extra survivor rebalances after a kill: {extra}")
+          f"extra survivor rebalances after a kill: {extra}; answered before the survivor's rebalance: {early}")
     # the first two starts of each pair compiled side by side; the later ones are restarts beside an idle worker
     restarts = [t for p in pairs.values() for t in p.ready_s[2:]]
     firsts = [t for p in pairs.values() for t in p.ready_s[:2]]

@@ -73,7 +73,7 @@ class Handoff:
     async def run(self) -> None:
         from worker.redis_client import cluster_client
 
-        client, last = None, None
+        client, last, backoff = None, None, 1.0
         try:
             while True:
                 try:
@@ -90,14 +90,16 @@ class Handoff:
                             runs, at = runs_of(fields)
                             if runs:
                                 await self.take(runs, at)
+                    backoff = 1.0
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - never the end of the worker: the rebalance still moves them
-                    log.warning("handoff_watch_failed", error=repr(exc)[:300])
+                    log.warning("handoff_watch_failed", error=repr(exc)[:300], retry_in_s=backoff)
                     if client is not None:
                         await _close(client.aclose())
                     client = None
-                    await asyncio.sleep(1)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 10.0)  # Redis away for long: a line every 10 s, not every second
         finally:
             if client is not None:
                 await _close(client.aclose())

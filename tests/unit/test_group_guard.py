@@ -27,10 +27,10 @@ def test_member_to_leave(lines, expected):
     assert member_to_leave(lines) == expected
 
 
-def _guard(lines: list[str]) -> tuple[int, str, float]:
+def _guard(lines: list[str], handoff=None) -> tuple[int, str, float]:
     """Run the guard process with these lines after its config, then close its pipe."""
     config = msgspec.json.encode({"kafka": KafkaSettings(bootstrap="127.0.0.1:9", request_timeout_ms=1000),
-                                  "group": "g", "timeout_s": 1.0}).decode()
+                                  "group": "g", "timeout_s": 1.0, "handoff": handoff}).decode()
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "worker.group_guard"], input="\n".join([config, *lines]) + "\n",
                           capture_output=True, text=True, timeout=60)
@@ -166,3 +166,15 @@ def test_a_clean_close_stands_down_even_a_guard_that_does_not_read(tmp_path):
     log.seek(0)
     said = log.read()
     assert "worker_died_running" not in said and "group_leave" not in said, said
+
+
+def test_a_handoff_that_cannot_reach_redis_is_logged_and_the_leave_still_sent():
+    """Both after-death steps run at once and each fails alone: Redis unreachable (nothing listens on
+    port 9) is `handoff_failed`, and the leave is still tried; the requests are still named."""
+    from worker.settings import RedisSettings
+
+    rc, err, took = _guard([MEMBER + "m-1", _run("a#1", "r1")],
+                           handoff={"redis": RedisSettings(url="redis://127.0.0.1:9"), "key": "p:handoff:{g}"})
+    assert rc == 0
+    events = {json.loads(line)["event"] for line in err.splitlines() if line.startswith("{")}
+    assert events == {"group_leave_failed", "handoff_failed", "worker_died_running"}, err
