@@ -53,6 +53,9 @@ RESET = "reset"
 # What the worker keeps for a guard that does not read before dropping it (and sending `reset` and the
 # requests running then): far more than a second of a busy worker's lines.
 MAX_PENDING_BYTES = 1 << 20
+FLUSH_S = 0.005  # how long the worker's lines may wait to go out together (each write is a system call)
+_RUN = RUN.encode()
+_encode = msgspec.json.Encoder().encode  # one encoder, reused: a line per request entering the engine
 RUNS_LOGGED = 1000  # a dying worker's report names at most this many requests
 HANDOFF_KEEP = 1000  # entries a group's handoff stream keeps (about that many deaths)
 
@@ -176,7 +179,8 @@ class GroupGuard:
         """A request began running in the engine under claim token `owner` (`run` names it)."""
         if self._proc is None or not owner:
             return
-        line = RUN.encode() + json.dumps({**run, "owner": owner}, separators=(",", ":")).encode() + b"\n"
+        run["owner"] = owner
+        line = _RUN + _encode(run) + b"\n"
         self._runs[owner] = line
         self._queue(line)
 
@@ -186,12 +190,15 @@ class GroupGuard:
             self._queue(f"{END}{owner}\n".encode())
 
     def _queue(self, line: bytes) -> None:
-        """Lines from the event loop go out together, once per turn of the loop."""
+        """Lines from the event loop go out together, at most FLUSH_S after the first of them: one
+        write for every request that started or ended meanwhile. A worker that dies within that
+        leaves the newest lines unsent; those requests are left to the rebalance (an unsent `end`
+        names a request already answered, which a survivor finds answered and leaves)."""
         with self._lock:
             self._pending += line
         if self._flush_at is None:
             try:
-                self._flush_at = asyncio.get_running_loop().call_soon(self._flush)
+                self._flush_at = asyncio.get_running_loop().call_later(FLUSH_S, self._flush)
             except RuntimeError:  # no loop (a test, a thread): now
                 self._flush()
 
