@@ -117,3 +117,35 @@ async def test_intake_reads_answers_and_progress_and_claims_in_one_round(setting
         assert await store.append_chunks("done", [(0, [9], "late")], owner="B#1") is False  # never claimed
     finally:
         await store.stop()
+
+
+async def test_a_handed_over_request_is_adopted_only_from_the_dead_run_and_by_one_survivor(settings):
+    """The handoff's claim (worker/handoff.py, `AnswerStore.adopt`) in the real cluster: taken only
+    while the dead run holds it, by one of two survivors trying at once, with the dead run's progress;
+    an answered request, or one another run claimed, is left alone; the dead run is fenced."""
+    import asyncio
+
+    from worker.answers import ADOPTED, ANSWERED, TAKEN
+
+    store = AnswerStore(settings.redis.url, f"adopt-{uuid.uuid4().hex[:6]}", 60, settings.redis.timeout_ms)
+    await store.start()
+    try:
+        assert await store.lookup_many(["r1", "r2", "r3"], [True, True, False], ["dead#1", "dead#2", "dead#3"])
+        assert await store.append_chunks("r1", [(0, [1, 2], "so far")], owner="dead#1") is True
+        # two survivors read the same handoff entry
+        first, second = await asyncio.gather(store.adopt("r1", True, "dead#1", "S#1"),
+                                             store.adopt("r1", True, "dead#1", "T#1"))
+        assert sorted([first[0], second[0]]) == [ADOPTED, TAKEN], (first, second)
+        winner, progress = ("S#1", first[1]) if first[0] == ADOPTED else ("T#1", second[1])
+        assert progress.chunks == [([1, 2], "so far")]
+        assert await store.append_chunks("r1", [(1, [3], "dead")], owner="dead#1") is False  # the dead run is fenced
+        assert await store.append_chunks("r1", [(1, [4], " more")], owner=winner) is True
+        # answered before anyone adopted it: left alone, and nothing claimed
+        assert await store.put_later("r2", b'{"type":"done"}', "dead#2") is True
+        assert await store.adopt("r2", True, "dead#2", "S#2") == (ANSWERED, None)
+        # the rebalance's new owner claimed it first: left alone
+        assert await store.lookup_many(["r3"], [False], ["N#1"]) == [(None, None)]
+        assert await store.adopt("r3", False, "dead#3", "S#3") == (TAKEN, None)
+        assert await store.append_chunks("r3", [(0, [9], "n")], owner="N#1") is True  # still the new owner's
+    finally:
+        await store.stop()
