@@ -272,12 +272,15 @@ async def hand_over(redis_settings, key: str, runs: list[dict], timeout_s: float
     """Add a dead worker's running requests to its group's handoff stream; returns the entry's id."""
     from worker.redis_client import cluster_client
 
+    started = time.monotonic()
     client = cluster_client(redis_settings, timeout_s)
     try:
         async with asyncio.timeout(timeout_s * 2):
             await client.initialize()
+            connected = time.monotonic()
             entry = await client.xadd(key, {"runs": json.dumps(runs[:RUNS_LOGGED]), "at": repr(time.time())},
                                       maxlen=HANDOFF_KEEP, approximate=True)
+        _log("handoff_timing", connect_s=round(connected - started, 3), add_s=round(time.monotonic() - connected, 3))
         return entry.decode() if isinstance(entry, bytes) else str(entry)
     finally:
         await client.aclose()

@@ -6,6 +6,7 @@ surviving worker continued the dead one's requests from their progress, loading
 the prefix's KV pages from Redis instead of recomputing them.
 """
 
+import asyncio
 import json
 import uuid
 from datetime import datetime
@@ -82,8 +83,22 @@ async def test_with_the_handoff_a_dead_worker_s_streams_go_on_before_the_group_m
     tag = uuid.uuid4().hex[:6]
     ids = spread_ids(f"handoff-{tag}", N, catalog.request_topic("standard").partitions)
     prompts = {rid: prompt(k) for k, rid in enumerate(ids)}
+    async def rebalanced(send, collect):
+        """With the streams done, until the survivor has read each handed-over record again (the
+        rebalance may come after the handed-over runs finished: the embedded broker holds it)."""
+        victim_log, survivor_log = tmp_path / "victim.log", tmp_path / "survivor.log"
+        end = asyncio.get_running_loop().time() + 90
+        while asyncio.get_running_loop().time() < end:
+            if '"worker_died_running"' in victim_log.read_text():
+                named = set(named_by_guard(victim_log.read_text()))
+                seen = {line["request_id"] for event in ("handoff_landed", "duplicate_answered_from_store")
+                        for line in logged(survivor_log.read_text(), event)}
+                if named <= seen:
+                    return
+            await asyncio.sleep(0.5)
+
     run = await kill_mid_stream(settings, catalog, tmp_path, model_dir, prompts, MAX_TOKENS,
-                                extra_env={"SLUICE_GROUP_HANDOFF": "true"})
+                                extra_env={"SLUICE_GROUP_HANDOFF": "true"}, after=rebalanced)
     assert_one_stream_each(run, prompts)  # a second `done` of a request is the same as its first
     # (the survivor's own streams resume too: a rebalance revokes every partition, and aborts their runs)
     resumed = sorted(rid for rid in prompts if run.finals[rid][0].resumed)
@@ -101,7 +116,8 @@ async def test_with_the_handoff_a_dead_worker_s_streams_go_on_before_the_group_m
     landed = {a["request_id"] for a in logged(run.survivor_log, "handoff_landed")}
     again = {a["request_id"] for a in logged(run.survivor_log, "duplicate_answered_from_store")}
     assert landed | again == set(named) and not landed & again, (landed, again)
-    assert all(len(run.finals[rid]) == 1 + (rid in again) for rid in named), {rid: len(run.finals[rid]) for rid in named}
+    # (a `done` sent again from the store may come after the reader stopped: at most one more)
+    assert all(1 <= len(run.finals[rid]) <= 1 + (rid in again) for rid in named), {r: len(run.finals[r]) for r in named}
     assert metric(run.survivor_metrics, "sluice_handoff_total", outcome="adopted") == len(named)
     for rid in named:  # the same prompts, uninterrupted: the same text
         ref = []
