@@ -257,7 +257,12 @@ PAGE_MISS_REASONS = ("missing", "corrupt", "checksum", "layout", "unavailable", 
 UNSEALABLE_REASONS = ("not_sealed", "corrupt", "unknown_key", "forged")
 
 
+HANDOFF_OUTCOMES = ("adopted", "answered", "taken", "failed", "landed")
+
+
 def start_series(classes) -> None:
+    for outcome in HANDOFF_OUTCOMES:  # zero from the start, so a dashboard shows none happened
+        handoff.labels(outcome)
     for cls in classes:
         for family in (records_consumed, untrusted_timestamps, records_expired, tokens_generated, prompt_tokens,
                        suspended, resumed, duplicates, waiting, in_engine, admission_cap, paused_partitions,
