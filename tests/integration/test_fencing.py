@@ -130,7 +130,7 @@ async def test_a_handed_over_request_is_adopted_only_from_the_dead_run_and_by_on
     store = AnswerStore(settings.redis.url, f"adopt-{uuid.uuid4().hex[:6]}", 60, settings.redis.timeout_ms)
     await store.start()
     try:
-        assert await store.lookup_many(["r1", "r2", "r3"], [True, True, False], ["dead#1", "dead#2", "dead#3"])
+        await store.lookup_many(["r1", "r2", "r3"], [True, True, False], ["dead#1", "dead#2", "dead#3"])  # the dead runs claim
         assert await store.append_chunks("r1", [(0, [1, 2], "so far")], owner="dead#1") is True
         # two survivors read the same handoff entry
         first, second = await asyncio.gather(store.adopt("r1", True, "dead#1", "S#1"),
